@@ -1,0 +1,65 @@
+"""Errors meant for people: one line that names the field, the value and what would be accepted."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+from pydantic import BaseModel, ValidationError
+
+
+class JobgenError(Exception):
+    """A user's mistake or a refusal from the scheduler: printed as one line, exit status 2."""
+
+
+def describe_validation_error(error: ValidationError, model: type[BaseModel], source: str) -> str:
+    """All problems in a job, one line each, with the closest known key for unknown keys."""
+    return "\n".join(_describe_one(item, model, source) for item in error.errors())
+
+
+def _describe_one(item: dict[str, Any], model: type[BaseModel], source: str) -> str:
+    path = ".".join(str(part) for part in item["loc"])
+    where = f"{source}: " if source else ""
+    kind = item["type"]
+    if kind == "extra_forbidden":
+        known = _known_keys(model, item["loc"][:-1])
+        hint = _closest(str(item["loc"][-1]), known)
+        choices = f"; known keys here: {', '.join(sorted(known))}" if known else ""
+        return f"{where}unknown key '{path}'{hint}{choices}"
+    if kind == "missing":
+        return f"{where}'{path}' is required"
+    value = _short(item.get("input"))
+    message = item["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    if kind == "literal_error":
+        hint = _closest(str(item.get("input")), _literal_choices(item))
+        return f"{where}'{path}' is {value}: {message}{hint}"
+    if not path:  # a check across fields
+        return f"{where}{message}"
+    return f"{where}'{path}' is {value}: {message}"
+
+
+def _known_keys(model: type[BaseModel], loc: Iterable[Any]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}))
+
+
+def _literal_choices(item: dict[str, Any]) -> list[str]:
+    expected = item.get("ctx", {}).get("expected", "")
+    return [part.strip(" '\"") for part in expected.replace(" or ", ", ").split(",") if part.strip()]
+
+
+def _closest(word: str, candidates: Iterable[str]) -> str:
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,293 @@
+"""The typed job description: one source of truth for every scheduler, template and the trainer.
+
+Everything a user can write in a job file is a field here. Unknown keys are errors (with a
+suggestion, see `jobgen.config`), values are checked where they are declared, and derived values
+(world size, global batch, time limit in seconds) are computed once, here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# Slurm/PBS names for partitions, queues, accounts, QoS, modules: conservative on purpose.
+SCHEDULER_NAME = r"^[A-Za-z0-9_.@%+:/-]+$"
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
+_MEMORY = re.compile(r"^(\d+)\s*([KMGT]?)B?$", re.IGNORECASE)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def parse_time_limit(text: str) -> int:
+    """Seconds in `[D-]HH:MM:SS`; raises ValueError naming the accepted forms."""
+    match = _TIME.match(text.strip())
+    if not match:
+        raise ValueError("expected [D-]HH:MM:SS, e.g. 04:00:00 or 1-12:00:00")
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise ValueError("must be longer than zero")
+    return total
+
+
+def parse_memory_mb(text: str) -> int:
+    """Megabytes in `64G`, `512M`, `1T` (a bare number is megabytes, as in Slurm)."""
+    match = _MEMORY.match(str(text).strip())
+    if not match:
+        raise ValueError("expected a size such as 64G, 512M or 1T")
+    number, unit = int(match.group(1)), match.group(2).upper()
+    factor = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[unit]
+    megabytes = int(number * factor)
+    if megabytes <= 0:
+        raise ValueError("must be at least 1M")
+    return megabytes
+
+
+class Resources(_Strict):
+    """What the scheduler is asked for."""
+
+    nodes: int = Field(1, ge=1, le=4096)
+    gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
+    cpus_per_node: Optional[int] = Field(None, ge=1, le=4096)
+    memory_per_node: Optional[str] = Field(None, description="e.g. 480G")
+    time_limit: str = Field("04:00:00", description="[D-]HH:MM:SS")
+    partition: Optional[str] = Field(None, pattern=SCHEDULER_NAME, description="Slurm partition or PBS queue")
+    account: Optional[str] = Field(None, pattern=SCHEDULER_NAME)
+    qos: Optional[str] = Field(None, pattern=SCHEDULER_NAME)
+    constraint: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.&|\[\]()*:-]+$")
+    exclusive: bool = False
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time_limit_parses(cls, value: str) -> str:
+        parse_time_limit(value)
+        return value.strip()
+
+    @field_validator("memory_per_node")
+    @classmethod
+    def _memory_parses(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_memory_mb(value)
+        return value
+
+    @property
+    def time_limit_seconds(self) -> int:
+        return parse_time_limit(self.time_limit)
+
+    @property
+    def memory_mb(self) -> Optional[int]:
+        return parse_memory_mb(self.memory_per_node) if self.memory_per_node else None
+
+
+NETWORK_PRESETS: dict[str, dict[str, str]] = {
+    # Why each: IB wants the IB transport and GPUDirect RDMA; RoCE additionally needs the GID
+    # index of RoCEv2; plain Ethernet must not probe for IB at all (it hangs or warns on start).
+    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
+    "roce": {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3", "NCCL_NET_GDR_LEVEL": "PHB"},
+    "ethernet": {"NCCL_IB_DISABLE": "1"},
+    "auto": {},
+}
+
+
+class Launch(_Strict):
+    """How one process per GPU is started on every node."""
+
+    procs_per_node: Optional[int] = Field(
+        None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
+    )
+    master_port: int | Literal["auto"] = Field(
+        "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
+    )
+    rendezvous: Literal["static", "c10d"] = "static"
+    network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
+    socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
+    nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
+    launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
+        None, description="per-node launcher; the scheduler's default when unset"
+    )
+
+    @field_validator("master_port")
+    @classmethod
+    def _port_in_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1024 <= value <= 65535:
+            raise ValueError("must be between 1024 and 65535, or 'auto'")
+        return value
+
+
+class Environment(_Strict):
+    """What every node runs before the trainer starts."""
+
+    modules: list[str] = Field(default_factory=list, description="`module load` names")
+    setup: list[str] = Field(
+        default_factory=list, description="shell lines run as written, e.g. 'source ~/venvs/ft/bin/activate'"
+    )
+    variables: dict[str, str] = Field(default_factory=dict, description="exported on every node")
+    secrets: list[str] = Field(
+        default_factory=list, description="names of variables passed from the submitting shell; values never written"
+    )
+    workdir: Optional[str] = Field(None, description="directory the job runs in; the submit directory by default")
+
+    @field_validator("modules")
+    @classmethod
+    def _module_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.match(SCHEDULER_NAME, name):
+                raise ValueError(f"module name {name!r} has characters a module name cannot have")
+        return value
+
+    @field_validator("setup")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        for line in value:
+            if "\n" in line or "\r" in line:
+                raise ValueError("each setup entry must be one line; give several entries instead")
+        return value
+
+    @field_validator("variables")
+    @classmethod
+    def _variable_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            _check_env_name(name)
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            _check_env_name(name)
+        return value
+
+
+def _check_env_name(name: str) -> None:
+    if not re.match(ENV_NAME, name):
+        raise ValueError(f"{name!r} is not a shell variable name (letters, digits, _; not starting with a digit)")
+    if name.startswith(("SLURM_", "PBS_")) or name in {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES"}:
+        raise ValueError(f"{name!r} is set by the scheduler or by jobgen and cannot be overridden")
+
+
+class Lora(_Strict):
+    r: int = Field(16, ge=1, le=1024)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class Training(_Strict):
+    """The fine-tune `jobgen-train` runs."""
+
+    model: str = Field(..., description="local path or hub name of a causal LM")
+    data: str = Field(..., description="JSON array or JSONL of conversations")
+    method: Literal["full", "lora", "qlora"] = "lora"
+    zero_stage: Literal[2, 3] = 2
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    per_device_batch_size: int = Field(1, ge=1)
+    gradient_accumulation: int = Field(1, ge=1)
+    learning_rate: float = Field(2e-4, gt=0, le=1)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1)
+    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_length: int = Field(2048, ge=8)
+    save_interval: int = Field(200, ge=1, description="optimizer steps between periodic checkpoints")
+    keep_checkpoints: int = Field(2, ge=1)
+    step_seconds_estimate: Optional[float] = Field(
+        None, gt=0, description="your estimate of one optimizer step, used only to warn about save_interval"
+    )
+    output_dir: str = Field("output", description="adapters, checkpoints and metrics; relative to the run directory")
+    lora: Lora = Field(default_factory=Lora)
+    gradient_checkpointing: bool = False
+    group_by_length: bool = False
+    seed: int = 42
+    logging_interval: int = Field(1, ge=1)
+    tensorboard: bool = False
+    deepspeed_config: Optional[str] = Field(None, description="replaces the bundled ZeRO config")
+
+
+class Requeue(_Strict):
+    """What happens at preemption and at the time limit."""
+
+    enabled: bool = True
+    signal: Literal["USR1", "USR2", "TERM", "INT"] = Field(
+        "USR1", description="sent to the batch shell warning_seconds before the time limit"
+    )
+    warning_seconds: int = Field(180, ge=30, le=3600)
+    max_restarts: int = Field(5, ge=0, le=1000)
+
+
+class Job(_Strict):
+    """A whole job file."""
+
+    name: str = Field("jobgen", min_length=1, max_length=200)
+    run_dir: Optional[str] = Field(None, description="defaults to runs/<name>, relative to the submit directory")
+    resources: Resources = Field(default_factory=Resources)
+    launch: Launch = Field(default_factory=Launch)
+    environment: Environment = Field(default_factory=Environment)
+    training: Training
+    requeue: Requeue = Field(default_factory=Requeue)
+    extra_directives: list[str] = Field(
+        default_factory=list, description="site-specific header lines, e.g. '#SBATCH --reservation=ft'"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, value: str) -> str:
+        if any(ord(ch) < 32 for ch in value):
+            raise ValueError("must be one line without control characters")
+        return value
+
+    @field_validator("extra_directives")
+    @classmethod
+    def _directives_are_directives(cls, value: list[str]) -> list[str]:
+        for line in value:
+            if "\n" in line or "\r" in line or not re.match(r"^#(SBATCH|PBS)\s+\S", line):
+                raise ValueError(f"{line!r} must be one '#SBATCH ...' or '#PBS ...' line")
+        return value
+
+    @model_validator(mode="after")
+    def _procs_match_gpus(self) -> "Job":
+        gpus, procs = self.resources.gpus_per_node, self.launch.procs_per_node
+        if gpus == 0 and procs is None:
+            raise ValueError(
+                "launch.procs_per_node is required when resources.gpus_per_node is 0 (CPU jobs use gloo)"
+            )
+        if gpus > 0 and procs is not None and procs != gpus:
+            raise ValueError(
+                f"launch.procs_per_node ({procs}) must equal resources.gpus_per_node ({gpus}): "
+                "one process per GPU; leave procs_per_node unset"
+            )
+        if self.training.method == "qlora" and self.training.zero_stage == 3:
+            raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
+        return self
+
+    # Derived values, computed here and nowhere else.
+    @property
+    def procs_per_node(self) -> int:
+        return self.launch.procs_per_node or self.resources.gpus_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.procs_per_node
+
+    @property
+    def global_batch(self) -> int:
+        return self.training.per_device_batch_size * self.world_size * self.training.gradient_accumulation
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.resources.gpus_per_node > 0 else "gloo"
+
+    @property
+    def effective_run_dir(self) -> str:
+        return self.run_dir or f"runs/{_slug(self.name)}"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "job"

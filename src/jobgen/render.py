@@ -1,0 +1,117 @@
+"""Rendering is a pure function of the job: models in, script text out, nothing submitted.
+
+Every `{{ value }}` in a template is shell-quoted unless the template marks it `|raw`, so a user's
+value can only ever be one word of data. Only text jobgen builds itself (header lines from
+validated fields, macro output) and the user's `environment.setup` lines (shell by intent) are raw.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+import jinja2
+import yaml
+
+from jobgen import __version__
+from jobgen.config import ResolvedJob
+from jobgen.errors import JobgenError
+from jobgen.models import NETWORK_PRESETS, Job
+from jobgen.resources import bundled_path
+from jobgen.schedulers import get_scheduler
+
+JOB_YAML_END = "JOBGEN_JOB_YAML"
+NODE_SCRIPT_END = "JOBGEN_NODE_SCRIPT"
+
+
+class Raw(str):
+    """Text a template may print as it is."""
+
+
+def shell_quote(value: Any) -> str:
+    if isinstance(value, Raw):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return shlex.quote(str(value))
+
+
+def as_comment(value: Any) -> Raw:
+    """One comment line: control characters cannot end the comment early."""
+    return Raw("".join(ch if ch.isprintable() else "?" for ch in str(value)))
+
+
+def template_environment(override_dir: Optional[Path] = None) -> jinja2.Environment:
+    """Site overrides first, then the bundled templates; `bundled/NAME` always means the shipped one."""
+    bundled = jinja2.FileSystemLoader(str(bundled_path("templates")))
+    loaders: list[jinja2.BaseLoader] = []
+    if override_dir:
+        loaders.append(jinja2.FileSystemLoader(str(override_dir)))
+    loaders += [bundled, jinja2.PrefixLoader({"bundled": bundled})]
+    env = jinja2.Environment(
+        loader=jinja2.ChoiceLoader(loaders),
+        finalize=shell_quote,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+        # Shell uses `${#array[@]}`: Jinja comments are {## ... ##} so that stays plain shell.
+        comment_start_string="{##",
+        comment_end_string="##}",
+    )
+    env.filters["raw"] = Raw
+    env.filters["comment"] = as_comment
+    return env
+
+
+def job_yaml(job: Job) -> str:
+    """The resolved job as the trainer reads it: every layer applied, defaults spelled out."""
+    return yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=1000)
+
+
+def render(resolved: ResolvedJob, scheduler_name: str) -> str:
+    job = resolved.job
+    scheduler = get_scheduler(scheduler_name)
+    env = template_environment(resolved.site.template_dir)
+    context = {
+        "job": job,
+        "version": __version__,
+        "scheduler": scheduler.name,
+        "site": resolved.site.name,
+        "directives": [Raw(line) for line in scheduler.directives(job)],
+        "launcher": scheduler.launcher(job),
+        "nccl": nccl_variables(job),
+        "job_yaml": Raw(job_yaml(job)),
+        "job_yaml_end": Raw(JOB_YAML_END),
+        "node_script_end": Raw(NODE_SCRIPT_END),
+        "warnings": resolved.warnings + scheduler.warnings(job),
+    }
+    node_script = env.get_template("node.sh.j2").render(context)
+    context["node_script"] = Raw(node_script)
+    _check_heredoc(context["job_yaml"], JOB_YAML_END)
+    _check_heredoc(node_script, NODE_SCRIPT_END)
+    try:
+        return env.get_template(scheduler.template).render(context)
+    except jinja2.TemplateError as error:
+        raise JobgenError(f"template {scheduler.template}: {error}") from None
+
+
+def nccl_variables(job: Job) -> dict[str, str]:
+    if job.resources.gpus_per_node == 0:
+        return {}
+    variables = dict(NETWORK_PRESETS[job.launch.network])
+    if job.launch.socket_ifname:
+        variables["NCCL_SOCKET_IFNAME"] = job.launch.socket_ifname
+    if job.launch.nccl_debug:
+        variables["NCCL_DEBUG"] = job.launch.nccl_debug
+    return variables
+
+
+def _check_heredoc(text: str, terminator: str) -> None:
+    # A line equal to the terminator would end the embedded file early and run the rest as shell.
+    if terminator in text.splitlines():
+        raise JobgenError(f"a value in the job contains the line '{terminator}', which jobgen reserves")
