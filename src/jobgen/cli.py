@@ -66,8 +66,12 @@ def _resolve(config: Path, site: Optional[str], overrides: tuple[str, ...]):
 def render(config: Path, scheduler: str, site: Optional[str], overrides: tuple[str, ...], output: Optional[Path]) -> None:
     """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub."""
     from jobgen.render import render as render_script
+    from jobgen.schedulers import get_scheduler
 
-    script = render_script(_resolve(config, site, overrides), scheduler)
+    resolved = _resolve(config, site, overrides)
+    for warning in get_scheduler(scheduler).warnings(resolved.job):
+        click.echo(f"jobgen: warning: {warning}", err=True)
+    script = render_script(resolved, scheduler)
     if output is None:
         click.echo(script, nl=False)
         return

@@ -1,0 +1,88 @@
+"""Bad input: one clear line per problem naming the field, exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import jobgen
+
+BASE = "launch: {procs_per_node: 1}\ntraining: {model: m, data: d}\n"
+
+CASES = {
+    "unknown key suggests the closest": (
+        "resources: {gpu_per_node: 4}\n" + BASE,
+        "unknown key 'resources.gpu_per_node' (did you mean 'gpus_per_node'?)",
+    ),
+    "wrong choice suggests the closest": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlor}\n",
+        "'training.method' is 'qlor': Input should be 'full', 'lora' or 'qlora' (did you mean 'qlora'?)",
+    ),
+    "time limit format": ("resources: {time_limit: 3h}\n" + BASE, "'resources.time_limit' is '3h': expected [D-]HH:MM:SS"),
+    "missing required field": ("launch: {procs_per_node: 1}\ntraining: {model: m}\n", "'training.data' is required"),
+    "cpu job without process count": ("training: {model: m, data: d}\n", "launch.procs_per_node is required when resources.gpus_per_node is 0"),
+    "procs differ from gpus": (
+        "resources: {gpus_per_node: 8}\nlaunch: {procs_per_node: 4}\ntraining: {model: m, data: d}\n",
+        "launch.procs_per_node (4) must equal resources.gpus_per_node (8)",
+    ),
+    "variable name that is not a shell name": (
+        "environment: {variables: {'1BAD': x}}\n" + BASE,
+        "'1BAD' is not a shell variable name",
+    ),
+    "variable jobgen owns": ("environment: {variables: {MASTER_ADDR: x}}\n" + BASE, "'MASTER_ADDR' is set by the scheduler or by jobgen"),
+    "partition with a space": ("resources: {partition: 'gpu long'}\n" + BASE, "'resources.partition' is 'gpu long'"),
+    "invalid yaml": ("training: [1\n", "invalid YAML at line 2"),
+    "not a mapping": ("- a\n- b\n", "expected a mapping of keys"),
+    "qlora with zero 3": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlora, zero_stage: 3}\n",
+        "qlora does not work with training.zero_stage 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("text,message", CASES.values(), ids=CASES.keys())
+def test_invalid_job_fails_with_one_clear_line(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(text)
+    for command in (["validate", str(config)], ["render", "-s", "slurm", str(config)]):
+        result = jobgen(*command)
+        assert result.returncode == 2
+        assert message in result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+        assert all(line.startswith("jobgen: ") for line in result.stderr.splitlines())
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--set", "resources.nodes=three"], "'resources.nodes' is 'three'"),
+        (["--set", "nodes"], "expected dotted.key=value"),
+        (["--site", "nosuch"], "site profile 'nosuch' not found"),
+        (["--set", "launch.launcher=pbsdsh"], "'launch.launcher' is 'pbsdsh', which slurm cannot use; accepted: srun"),
+    ],
+)
+def test_bad_command_line_values_fail_clearly(tmp_path: Path, args: list[str], message: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE)
+    result = jobgen("render", "-s", "slurm", str(config), *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_file_and_unknown_scheduler() -> None:
+    assert "no such file" in jobgen("validate", "nope.yaml").stderr
+    result = jobgen("render", "-s", "lsf", "nope.yaml")
+    assert result.returncode == 2 and "'lsf' is not one of" in result.stderr
+
+
+def test_warnings_do_not_fail_the_render(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "resources: {nodes: 2, gpus_per_node: 8, time_limit: '01:00:00'}\n"
+        "training: {model: m, data: d, zero_stage: 3, save_interval: 1000, step_seconds_estimate: 10}\n"
+    )
+    result = jobgen("render", "-s", "slurm", str(config))
+    assert result.returncode == 0
+    assert "warning: training.zero_stage 3 across nodes" in result.stderr
+    assert "warning: training.save_interval 1000 steps x 10 s" in result.stderr
+    assert "warning: global batch 16" in result.stderr

@@ -1,0 +1,207 @@
+"""`jobgen render`: safe quoting, layering, site overrides, and what a login node imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobgen.config import resolve_job
+from jobgen.render import render
+from tests.helpers import REPO, jobgen, node_script_of, shell_findings
+
+HOSTILE = [
+    "$(touch PWNED)",
+    "`touch PWNED`",
+    "'; touch PWNED; echo '",
+    '"; touch PWNED; echo "',
+    "a\nJOBGEN_JOB_YAML\ntouch PWNED",
+    "a\nJOBGEN_NODE_SCRIPT\ntouch PWNED",
+    "${HOME} $PATH * ? [a]",
+    "two words\ttab\\backslash",
+]
+SECRET = "s3cr3t $(touch PWNED) 'q'"
+
+
+def write_job(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def cpu_job(**training) -> dict:
+    return {
+        "name": "t",
+        "resources": {"nodes": 2, "gpus_per_node": 0},
+        "launch": {"procs_per_node": 1},
+        "training": {"model": "m", "data": "d", **training},
+    }
+
+
+FAKE_TORCHRUN = """#!/bin/bash
+# Stands in for torchrun: records what the node script handed it, then plays a trainer that completed.
+out="$JOBGEN_RUN_DIR/torchrun-node$NODE_RANK.json"
+python3 - "$out" "$@" <<'PY'
+import json, os, sys
+json.dump({"argv": sys.argv[2:], "env": dict(os.environ)}, open(sys.argv[1], "w"))
+PY
+if [ "$NODE_RANK" = 0 ]; then
+  echo '{"reason": "completed", "first_step": 0, "last_step": 3}' > "$JOBGEN_RUN_DIR/trainer-exit.json"
+fi
+"""
+
+
+def test_hostile_values_reach_the_trainer_intact_with_fake_torchrun(tmp_path: Path) -> None:
+    """Runs the rendered local script for real; only torchrun is replaced, to see what arrives."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    variables = {f"V{i}": value for i, value in enumerate(HOSTILE)}
+    job = cpu_job(model=HOSTILE[0], data=HOSTILE[2])
+    job["name"] = HOSTILE[1]
+    job["run_dir"] = "run dir $(touch PWNED)"
+    job["environment"] = {"variables": variables, "secrets": ["MY_SECRET"]}
+    config = write_job(tmp_path / "job.yaml", job)
+
+    result = jobgen("render", "--scheduler", "local", str(config), "-o", str(tmp_path / "job.sh"))
+    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MY_SECRET": SECRET}
+    run = subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not list(tmp_path.rglob("PWNED")), "a value was executed by the shell"
+    run_dir = tmp_path / "run dir $(touch PWNED)"
+    for rank in (0, 1):
+        seen = json.loads((run_dir / f"torchrun-node{rank}.json").read_text())
+        for name, value in variables.items():
+            assert seen["env"][name] == value
+        assert seen["env"]["MY_SECRET"] == SECRET
+        assert seen["env"]["NODE_RANK"] == str(rank)
+        assert seen["env"]["NNODES"] == "2"
+        assert seen["argv"][-2:] == ["--job", str(run_dir / "job.yaml")]
+    trained = yaml.safe_load((run_dir / "job.yaml").read_text())
+    assert trained["training"]["model"] == HOSTILE[0] and trained["name"] == HOSTILE[1]
+    assert SECRET not in (tmp_path / "job.sh").read_text(), "a secret's value was written into the script"
+    assert not (run_dir / "node.env").exists(), "the file holding secrets outlived the job"
+
+
+def test_a_value_holding_a_heredoc_terminator_cannot_end_the_embedded_file(tmp_path: Path) -> None:
+    job = cpu_job()
+    job["environment"] = {"setup": ["echo ok"], "variables": {"X": "JOBGEN_JOB_YAML"}}
+    script = render(resolve_job(write_job(tmp_path / "j.yaml", job)), "slurm")
+    body = script.split("<<'JOBGEN_JOB_YAML'\n", 1)[1]
+    assert body.splitlines().count("JOBGEN_JOB_YAML") == 1
+
+
+names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=30)
+values = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\x00"), max_size=40)
+env_names = st.from_regex(r"[A-Z][A-Z0-9_]{0,10}", fullmatch=True).filter(lambda n: not n.startswith(("SLURM_", "PBS_")))
+
+
+@st.composite
+def random_jobs(draw) -> dict:
+    gpus = draw(st.sampled_from([0, 1, 4, 8]))
+    job = {
+        "name": draw(names.filter(lambda s: all(ord(c) >= 32 for c in s))),
+        "resources": {
+            "nodes": draw(st.integers(1, 64)),
+            "gpus_per_node": gpus,
+            "time_limit": draw(st.sampled_from(["00:10:00", "04:00:00", "2-00:00:00"])),
+            "exclusive": draw(st.booleans()),
+        },
+        "launch": {"master_port": draw(st.sampled_from(["auto", 29500])), "rendezvous": draw(st.sampled_from(["static", "c10d"]))},
+        "environment": {"variables": draw(st.dictionaries(env_names.filter(lambda n: n not in {"NNODES", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}), values, max_size=4))},
+        "training": {"model": draw(values.filter(bool)), "data": draw(values.filter(bool)), "method": draw(st.sampled_from(["full", "lora", "qlora"]))},
+        "requeue": {"enabled": draw(st.booleans()), "signal": draw(st.sampled_from(["USR1", "USR2", "TERM"]))},
+    }
+    if gpus == 0:
+        job["launch"]["procs_per_node"] = draw(st.integers(1, 4))
+    return job
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(job=random_jobs())
+def test_random_valid_jobs_render_scripts_that_pass_bash_and_shellcheck(job: dict, tmp_path_factory, shellcheck: str) -> None:
+    folder = tmp_path_factory.mktemp("prop")
+    config = write_job(folder / "job.yaml", job)
+    resolved = resolve_job(config)
+    files = []
+    for scheduler in ("slurm", "pbs", "torque", "local"):
+        script = render(resolved, scheduler)
+        for kind, text in (("job", script), ("node", node_script_of(script))):
+            path = folder / f"{scheduler}-{kind}.sh"
+            path.write_text(text)
+            files.append(path)
+    assert shell_findings(*files) == ""
+
+
+def test_layers_apply_in_order_defaults_site_job_set(tmp_path: Path) -> None:
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"defaults": {"resources": {"partition": "site-part", "account": "site-acct", "qos": "site-qos"}}}))
+    job = cpu_job()
+    job["resources"].update({"account": "job-acct", "qos": "job-qos"})
+    config = write_job(tmp_path / "job.yaml", job)
+    resolved = resolve_job(config, str(site), ("resources.qos=cli-qos",))
+    res = resolved.job.resources
+    assert (res.partition, res.account, res.qos, res.time_limit) == ("site-part", "job-acct", "cli-qos", "04:00:00")
+
+
+def test_site_profile_by_name_and_its_template_override(tmp_path: Path) -> None:
+    config = write_job(tmp_path / "job.yaml", cpu_job())
+    result = jobgen("render", "-s", "slurm", "--site", "example-slurm-ib", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --partition=gpu" in result.stdout and "#SBATCH --mail-type=FAIL" in result.stdout
+    assert "submit from /scratch" in result.stdout, "the site's template override was not used"
+    assert "srun --nodes" in result.stdout, "the override lost the bundled template's body"
+
+
+def test_site_path_environment_variable_finds_profiles(tmp_path: Path) -> None:
+    (tmp_path / "mysite.yaml").write_text(yaml.safe_dump({"defaults": {"resources": {"partition": "from-env"}}}))
+    config = write_job(tmp_path / "job.yaml", cpu_job())
+    result = jobgen("render", "-s", "slurm", "--site", "mysite", str(config), env={"JOBGEN_SITE_PATH": str(tmp_path)})
+    assert "#SBATCH --partition=from-env" in result.stdout, result.stderr
+
+
+def test_output_file_is_written_0644_and_nothing_on_stdout(tmp_path: Path) -> None:
+    config = write_job(tmp_path / "job.yaml", cpu_job())
+    out = tmp_path / "job.sbatch"
+    result = jobgen("render", "-s", "slurm", str(config), "-o", str(out))
+    assert result.returncode == 0 and result.stdout == ""
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert out.read_text().startswith("#!/bin/bash\n#SBATCH --job-name=t\n")
+
+
+def test_derived_values_are_in_the_header(tmp_path: Path) -> None:
+    job = cpu_job(per_device_batch_size=4, gradient_accumulation=8)
+    job["resources"]["nodes"] = 4
+    job["launch"]["procs_per_node"] = 2
+    script = render(resolve_job(write_job(tmp_path / "j.yaml", job)), "slurm")
+    assert "4 node(s) x 2 process(es) = world size 8 (gloo)" in script
+    assert "global batch 256 = 4 per device x 8 processes x 8 accumulation" in script
+
+
+def test_render_imports_no_training_library(tmp_path: Path) -> None:
+    config = write_job(tmp_path / "job.yaml", cpu_job())
+    code = (
+        "import sys; from jobgen.cli import main\n"
+        f"try: main(['render', '-s', 'slurm', {str(config)!r}])\n"
+        "except SystemExit: pass\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'peft', 'submitit') if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "HEAVY []" in result.stderr, result.stderr
+
+
+def test_schema_is_json_schema_of_the_job_file() -> None:
+    result = jobgen("schema")
+    schema = json.loads(result.stdout)
+    assert schema["title"] == "Job" and "training" in schema["required"]
+    assert "gpus_per_node" in schema["$defs"]["Resources"]["properties"]
