@@ -1,0 +1,89 @@
+"""Command line of `jobgen-train` (also `python -m jobgen.train`); see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from typing import Optional
+
+from jobgen.train.errors import UserError
+from jobgen.train.exit_report import ExitReport, write_exit_report
+from jobgen.train.stop import StopRequest
+
+PROG = "jobgen-train"
+
+
+def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run the fine-tune described by a resolved job file.")
+    parser.add_argument("--job", required=True, help="resolved job file (RUN_DIR/job.yaml)")
+    parser.add_argument("--run-dir", help="run directory (default: the directory holding the job file)")
+    return parser.parse_args(argv)
+
+
+def load_job(path: str):
+    """The validated Job in `path`; UserError with the field at fault otherwise."""
+    import yaml
+    from pydantic import ValidationError
+
+    from jobgen.models import Job
+
+    if not os.path.isfile(path):
+        raise UserError(f"--job: file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping with a 'training' section")
+    try:
+        return Job.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise UserError(f"{path}: {where}: {first['msg']}") from None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = _parse_args(argv)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[{PROG} rank {rank}] %(levelname)s %(message)s",
+    )
+    stop = StopRequest().install()  # before anything slow, so an early signal is not lost
+    report = ExitReport()
+    run_dir = os.path.abspath(args.run_dir or os.path.dirname(os.path.abspath(args.job)))
+    code = 1
+    try:
+        from jobgen.train.distributed import RankInfo
+        from jobgen.train.trainer import Trainer, prepare
+
+        info = RankInfo.from_env()
+        job = load_job(args.job)
+        prepared = prepare(job, run_dir, info.world_size)
+        trainer = Trainer(prepared, info, stop, report)
+        try:
+            trainer.run()
+        finally:
+            if getattr(trainer, "dist", None) is not None:
+                trainer.dist.close()
+        code = 0
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        report.reason, report.message, code = "failed", str(exc), 2
+    except BaseException as exc:  # noqa: BLE001 - any crash must still leave trainer-exit.json
+        traceback.print_exc()
+        report.reason, report.message, code = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0], 1
+    finally:
+        report.signal = report.signal or stop.signal_name
+        if rank == 0 and os.path.isdir(run_dir):
+            write_exit_report(run_dir, report)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

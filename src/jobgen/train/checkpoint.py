@@ -1,0 +1,257 @@
+"""Checkpoints: the one place that writes, verifies, finds, loads and prunes them.
+
+Layout of `OUTPUT_DIR/checkpoints/step-000123/`:
+
+    deepspeed/...           engine.save_checkpoint(): model (trainable parameters only), the
+                            optimizer partition of every rank and the LR scheduler
+    rng/rank-00000.pt       python, numpy, torch (and CUDA) RNG states of each rank
+    trainer_state.json      step, epoch and batches consumed in it, world size, config digest,
+                            the training section, the LR scheduler state
+    manifest.json           step, world size, config digest, every file with size and sha256
+    COMPLETE                written last
+
+Every rank writes into `.tmp-step-000123`; after a barrier the files are hashed (spread over the
+ranks), rank 0 writes the manifest and COMPLETE, fsyncs and renames the directory. A kill at any
+moment leaves a complete checkpoint or a `.tmp-*` directory, which is removed on the next start.
+On start the newest checkpoint whose files match its manifest is used; one that does not is
+skipped with a warning. Directories are assumed to be on a file system every rank sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jobgen.train.errors import UserError
+from jobgen.train.exit_report import fsync_directory, write_json_atomically
+
+log = logging.getLogger("jobgen.train")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TEMP_PREFIX = ".tmp-"
+DEEPSPEED_TAG = "deepspeed"
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    manifest: dict
+    state: dict
+
+
+class CheckpointStore:
+    def __init__(self, root: str, dist: Any, keep: int) -> None:
+        self.root, self.dist, self.keep = root, dist, keep
+
+    # ----------------------------------------------------------------- start
+    def remove_stale_temps(self) -> None:
+        """Rank 0 deletes half-written `.tmp-*` directories; all ranks wait for it."""
+        if self.dist.is_main and os.path.isdir(self.root):
+            for name in os.listdir(self.root):
+                if name.startswith(TEMP_PREFIX):
+                    log.warning("removing incomplete checkpoint %s", os.path.join(self.root, name))
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        self.dist.barrier()
+
+    def find_latest(self) -> Optional[Found]:
+        """Collective: the newest complete checkpoint whose files match its manifest, or None."""
+        candidates = self.dist.broadcast_object(self._complete_dirs() if self.dist.is_main else None)
+        for path in candidates:
+            problem = self._verify(path)
+            if problem is None:
+                with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
+                    manifest = json.load(handle)
+                with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as handle:
+                    state = json.load(handle)
+                return Found(path, manifest, state)
+            if self.dist.is_main:
+                log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def _complete_dirs(self) -> list[str]:
+        if not os.path.isdir(self.root):
+            return []
+        steps = []
+        for name in os.listdir(self.root):
+            match = STEP_DIR.match(name)
+            if match and os.path.exists(os.path.join(self.root, name, COMPLETE)):
+                steps.append((int(match.group(1)), os.path.join(self.root, name)))
+        return [path for _, path in sorted(steps, reverse=True)]
+
+    def _verify(self, path: str) -> Optional[str]:
+        """Collective: None if every file in the manifest exists with its size and sha256."""
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
+                files = json.load(handle)["files"]
+            assert isinstance(files, dict) and files
+        except (OSError, ValueError, KeyError, AssertionError):
+            files = None
+        problems = self._hash_spread(path, sorted(files) if files else [], expected=files)
+        if files is None:
+            return "manifest.json is missing or unreadable"
+        return problems[0] if problems else None
+
+    def _hash_spread(self, path: str, names: list[str], expected: Optional[dict]) -> list:
+        """Hash files across ranks. With `expected`: list of mismatch messages; else: {name: entry}."""
+        mine = {}
+        for index, name in enumerate(names):
+            if index % self.dist.world_size != self.dist.rank:
+                continue
+            full = os.path.join(path, name)
+            if not os.path.isfile(full):
+                mine[name] = None
+                continue
+            mine[name] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
+        merged: dict = {}
+        for part in self.dist.all_gather_object(mine):
+            merged.update(part)
+        if expected is None:
+            return [merged]
+        problems = []
+        for name in names:
+            got, want = merged.get(name), expected[name]
+            if got is None:
+                problems.append(f"{name} is missing")
+            elif got != want:
+                problems.append(f"{name} does not match its manifest entry (size {got['size']}, expected {want['size']})")
+        return problems
+
+    # ------------------------------------------------------------------ save
+    def save(self, engine: Any, step: int, state: dict) -> str:
+        """Collective: write a complete checkpoint of `step`; returns its path."""
+        import torch
+
+        final = os.path.join(self.root, step_name(step))
+        temp = os.path.join(self.root, TEMP_PREFIX + step_name(step))
+        if self.dist.is_main:
+            shutil.rmtree(temp, ignore_errors=True)
+            os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
+        self.dist.barrier()
+        engine.save_checkpoint(temp, tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
+        rng_path = os.path.join(temp, "rng", f"rank-{self.dist.rank:05d}.pt")
+        torch.save(rng_states(), rng_path)
+        _fsync_file(rng_path)
+        if self.dist.is_main:
+            state = dict(state, step=step, world_size=self.dist.world_size)
+            write_json_atomically(os.path.join(temp, TRAINER_STATE), state)
+        self.dist.barrier()  # every rank's files are on disk
+        names = self.dist.broadcast_object(_list_files(temp) if self.dist.is_main else None)
+        entries = self._hash_spread(temp, names, expected=None)[0]
+        if self.dist.is_main:
+            manifest = {
+                "step": step,
+                "world_size": self.dist.world_size,
+                "config_digest": state["config_digest"],
+                "files": {name: entries[name] for name in names},
+            }
+            write_json_atomically(os.path.join(temp, MANIFEST), manifest)
+            with open(os.path.join(temp, COMPLETE), "w") as handle:
+                handle.write(f"{step}\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            fsync_directory(temp)
+            if os.path.exists(final):  # a checkpoint of this step from an earlier attempt
+                shutil.rmtree(final)
+            os.rename(temp, final)
+            fsync_directory(self.root)
+            self._prune()
+        self.dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        for path in self._complete_dirs()[self.keep :]:
+            doomed = os.path.join(self.root, TEMP_PREFIX + "delete-" + os.path.basename(path))
+            os.rename(path, doomed)  # never a half-deleted directory that still looks complete
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self, engine: Any, found: Found) -> None:
+        """Collective: restore engine (weights, optimizer, scheduler) and this rank's RNG states."""
+        import torch
+
+        load_path, _ = engine.load_checkpoint(
+            found.path,
+            tag=DEEPSPEED_TAG,
+            load_module_strict=False,  # frozen base weights come from the model, not the checkpoint
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {found.path}")
+        states = torch.load(
+            os.path.join(found.path, "rng", f"rank-{self.dist.rank:05d}.pt"), weights_only=False
+        )
+        set_rng_states(states)
+
+
+def check_compatible(found: Found, world_size: int, config_digest: str, changed: list[str]) -> None:
+    """Raise UserError if `found` cannot be resumed by this run."""
+    name = os.path.basename(found.path)
+    written_by = found.manifest["world_size"]
+    if written_by != world_size:
+        raise UserError(
+            f"checkpoint {name} was written by {written_by} ranks, this run has {world_size}: rerun with "
+            f"{written_by} ranks (resources.nodes x launch.procs_per_node), or move {os.path.dirname(found.path)} "
+            "aside to start from scratch (its ZeRO optimizer partitions and data order are per rank)"
+        )
+    if found.manifest["config_digest"] != config_digest:
+        raise UserError(
+            f"checkpoint {name} was written with different training settings ({', '.join(changed) or 'unknown'}); "
+            f"restore them, or use a new training.output_dir to start from scratch"
+        )
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _list_files(directory: str) -> list[str]:
+    names = []
+    for parent, _, files in os.walk(directory):
+        for file in files:
+            names.append(os.path.relpath(os.path.join(parent, file), directory))
+    return sorted(names)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def rng_states() -> dict:
+    import numpy as np
+    import torch
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

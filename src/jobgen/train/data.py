@@ -1,0 +1,228 @@
+"""Conversations: loading, validation, chat-template tokenization and the per-rank batch order.
+
+Input is a JSON array or JSONL of items `{"id": ..., "conversations": [{"from": ROLE, "value":
+TEXT}, ...]}` with ROLE one of user, assistant, system (system only as the first turn). Every item
+is checked before anything distributed starts, and a problem is one line naming the file, the item
+index (and id) and the field.
+
+Layout (the reference Qwen fine-tune's): `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per turn, with a
+system turn first ("You are a helpful assistant." unless the item gives one). Labels are -100
+everywhere except on assistant turns, where `<|im_start|>`, the content, `<|im_end|>` and the
+newline after it are learned (the role name is not). Sequences are cut to `max_length`.
+
+Order: `torch.utils.data.DistributedSampler` over the global world size (shuffled with the job's
+seed, `set_epoch(epoch)` every epoch, padded by repetition so every rank gets the same count),
+cut into micro-batches; with `group_by_length`, each rank's indices are grouped into megabatches
+sorted by length, in an order that depends only on seed, epoch and rank. The order is a pure
+function of (epoch, batch index), which is what makes exact resume possible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from jobgen.train.errors import UserError
+
+ROLES = ("user", "assistant", "system")
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+IGNORE_INDEX = -100
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    system: str
+    turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
+
+
+def load_conversations(path: str) -> list[Conversation]:
+    """Read and check every item; raises UserError naming the first problem found."""
+    if not os.path.exists(path):
+        raise UserError(f"training.data: file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise UserError(f"training.data: {path!r} is a directory; give a .json or .jsonl file")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    items = _parse(path, text)
+    if not items:
+        raise UserError(f"{path}: no conversations in the file")
+    return [_check_item(path, index, item) for index, item in enumerate(items)]
+
+
+def _parse(path: str, text: str) -> list[Any]:
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        return items
+    items = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {lineno} is not valid JSON ({exc.msg}); expected one object per line") from None
+    return items
+
+
+def _check_item(path: str, index: int, item: Any) -> Conversation:
+    where = f"{path}: item {index}"
+    if not isinstance(item, dict):
+        raise UserError(f"{where}: expected an object with 'conversations', got {type(item).__name__}")
+    raw_id = item.get("id", str(index))
+    if not isinstance(raw_id, (str, int)):
+        raise UserError(f"{where}: 'id' must be a string or an integer, got {type(raw_id).__name__}")
+    where = f"{path}: item {index} (id {str(raw_id)!r})"
+    turns = item.get("conversations")
+    if turns is None:
+        raise UserError(f"{where}: missing field 'conversations'")
+    if not isinstance(turns, list):
+        raise UserError(f"{where}: 'conversations' must be a list, got {type(turns).__name__}")
+    if not turns:
+        raise UserError(f"{where}: 'conversations' is empty")
+    system = DEFAULT_SYSTEM_PROMPT
+    checked: list[tuple[str, str]] = []
+    for position, turn in enumerate(turns):
+        field = f"conversations[{position}]"
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}: {field} must be an object with 'from' and 'value', got {type(turn).__name__}")
+        role, value = turn.get("from"), turn.get("value")
+        if role not in ROLES:
+            raise UserError(f"{where}: {field}.from is {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(value, str):
+            raise UserError(f"{where}: {field}.value must be a string, got {type(value).__name__}")
+        if role == "system":
+            if position != 0:
+                raise UserError(f"{where}: {field} is a system turn; a system turn may only come first")
+            system = value
+            continue
+        checked.append((role, value))
+    if not any(role == "assistant" for role, _ in checked):
+        raise UserError(f"{where}: no assistant turn, so nothing to learn from it")
+    return Conversation(id=str(raw_id), system=system, turns=tuple(checked))
+
+
+class ChatTokenizer:
+    """Turns a Conversation into (input_ids, labels) with the layout in the module docstring."""
+
+    def __init__(self, tokenizer: Any, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.im_start = self._marker(IM_START)
+        self.im_end = self._marker(IM_END)
+        self.newline = self._encode("\n")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _marker(self, text: str) -> list[int]:
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id and token_id >= 0:
+            return [token_id]
+        return self._encode(text)  # a tokenizer without chat tokens spells the marker out
+
+    def __call__(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        labels: list[int] = []
+        for role, text in (("system", conversation.system),) + conversation.turns:
+            header = self._encode(role + "\n")
+            content = self._encode(text)
+            turn = self.im_start + header + content + self.im_end + self.newline
+            ids += turn
+            if role == "assistant":
+                labels += self.im_start + [IGNORE_INDEX] * len(header) + content + self.im_end + self.newline
+            else:
+                labels += [IGNORE_INDEX] * len(turn)
+        return ids[: self.max_length], labels[: self.max_length]
+
+
+class TokenizedDataset:
+    """Every conversation tokenized once, up front (lengths are needed for grouping anyway)."""
+
+    def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
+        self.ids = [c.id for c in conversations]
+        encoded = [chat(c) for c in conversations]
+        self.input_ids = [e[0] for e in encoded]
+        self.labels = [e[1] for e in encoded]
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.input_ids]
+
+    def collate(self, indices: Sequence[int]) -> dict:
+        """Right-padded tensors: input_ids, attention_mask, labels (-100 on padding)."""
+        import torch
+
+        width = max(len(self.input_ids[i]) for i in indices)
+        input_ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)
+        attention = torch.zeros((len(indices), width), dtype=torch.long)
+        for row, i in enumerate(indices):
+            n = len(self.input_ids[i])
+            input_ids[row, :n] = torch.tensor(self.input_ids[i])
+            labels[row, :n] = torch.tensor(self.labels[i])
+            attention[row, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+class BatchOrder:
+    """Micro-batches of sample indices for one rank, as a pure function of (epoch, batch index)."""
+
+    MEGABATCH = 50  # micro-batches per length-sorted group, as in transformers' LengthGroupedSampler
+
+    def __init__(
+        self,
+        num_samples: int,
+        world_size: int,
+        rank: int,
+        batch_size: int,
+        seed: int,
+        lengths: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
+        self.batch_size, self.seed = batch_size, seed
+        self.lengths = lengths  # None: no length grouping
+        self.per_rank = -(-num_samples // world_size)  # DistributedSampler pads to this
+        self.batches_per_epoch = -(-self.per_rank // batch_size)
+        self._cached: tuple[int, list[list[int]]] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._cached and self._cached[0] == epoch:
+            return self._cached[1]
+        import torch
+        from torch.utils.data import DistributedSampler
+
+        sampler = DistributedSampler(
+            range(self.num_samples), num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed
+        )
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        if self.lengths is not None:
+            indices = self._group_by_length(indices, epoch, torch)
+        batches = [indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
+        self._cached = (epoch, batches)
+        return batches
+
+    def _group_by_length(self, indices: list[int], epoch: int, torch: Any) -> list[int]:
+        size = self.MEGABATCH * self.batch_size
+        groups = [indices[i : i + size] for i in range(0, len(indices), size)]
+        groups = [sorted(g, key=lambda i: -self.lengths[i]) for g in groups]
+        # Shuffle micro-batches (not samples) so that long batches do not always come first; the
+        # same permutation on every rank keeps similar lengths in step across ranks.
+        batches = [g[i : i + self.batch_size] for g in groups for i in range(0, len(g), self.batch_size)]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(batches), generator=generator).tolist()
+        return [i for b in order for i in batches[b]]
+
+    def batch(self, epoch: int, index: int) -> list[int]:
+        return self.epoch_batches(epoch)[index]

@@ -1,0 +1,72 @@
+"""`RUN_DIR/trainer-exit.json`: what the batch script reads to decide whether to requeue.
+
+Written by rank 0 only, atomically (temporary file, fsync, rename, fsync of the directory), so a
+reader sees either no file or a whole one. Fields:
+
+- reason: "completed" (every step ran and the final model was saved), "stopped" (a signal arrived
+  and a complete checkpoint of `last_step` was committed; resuming continues from it), or
+  "failed" (an exception or a user error; the process exits non-zero).
+- signal: the first stop signal received ("SIGTERM", "SIGUSR1", ...) or null.
+- first_step: the optimizer step this run resumed from (0 for a fresh start).
+- last_step: the last optimizer step completed by this run (== first_step if none ran).
+- checkpoint: path of the newest complete checkpoint (for "stopped" and "completed", the one of
+  `last_step`; for "failed", the one a restart would resume from) or null.
+- started_at, ended_at: ISO 8601 UTC; train_seconds: seconds spent in the training loop.
+- message: one human-readable line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Optional
+
+EXIT_FILE = "trainer-exit.json"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class ExitReport:
+    reason: str = "failed"
+    signal: Optional[str] = None
+    first_step: int = 0
+    last_step: int = 0
+    checkpoint: Optional[str] = None
+    started_at: str = field(default_factory=now_iso)
+    ended_at: Optional[str] = None
+    train_seconds: float = 0.0
+    message: str = ""
+
+
+def write_json_atomically(path: str, payload: dict) -> None:
+    """Write `payload` to `path` so that readers never see a partial file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_exit_report(run_dir: str, report: ExitReport) -> str:
+    report.ended_at = now_iso()
+    path = os.path.join(run_dir, EXIT_FILE)
+    write_json_atomically(path, asdict(report))
+    return path

@@ -1,0 +1,63 @@
+"""Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), TensorBoard when asked, a progress bar on a TTY.
+
+One line per logging step: step, loss (token-weighted over every rank and micro-batch since the
+previous line: sum(loss*tokens)/sum(tokens)), lr, tokens_per_s and samples_per_s (all ranks, input
+tokens including the prompt), step_seconds_max/min (slowest and fastest rank's last step),
+peak_memory_mb (largest over ranks: CUDA max allocated, or the process's max RSS on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Any, Optional
+
+
+def peak_memory_mb(cuda: bool) -> float:
+    if cuda:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, total_steps: int, first_step: int) -> None:
+        self.enabled = enabled
+        self.handle = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if enabled else None
+        self.tensorboard: Optional[Any] = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self.progress: Optional[Any] = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.handle.write(json.dumps(record) + "\n")
+        self.handle.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def close(self) -> None:
+        if self.handle:
+            self.handle.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.progress is not None:
+            self.progress.close()

@@ -1,0 +1,115 @@
+"""Loading the causal LM and its tokenizer, and turning it into what the method trains.
+
+full: every parameter trains. lora: a peft LoRA adapter on `training.lora.target_modules`.
+qlora: the base model loaded in 4-bit NF4 by bitsandbytes (`device_map` pins it to this rank's
+device), `prepare_model_for_kbit_training`, then the same LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from jobgen.models import Training
+from jobgen.train.errors import UserError
+
+log = logging.getLogger("jobgen.train")
+HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def check_model_reference(model: str) -> None:
+    """Before anything distributed: a local path must exist and look like a saved model."""
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise UserError(f"training.model: {model!r} is a directory without config.json; expected a saved model")
+        return
+    if os.path.exists(model):
+        raise UserError(f"training.model: {model!r} is a file; expected a model directory or a hub name")
+    if not HUB_NAME.match(model):
+        raise UserError(f"training.model: path {model!r} does not exist (and it is not a hub name like org/name)")
+
+
+def torch_dtype(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except Exception as exc:  # transformers raises many types for a bad reference
+        raise UserError(f"training.model: could not load a tokenizer from {model!r}: {_first_line(exc)}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(training: Training, precision: str, device: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch_dtype(precision)
+    kwargs: dict = {"dtype": dtype}
+    if training.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(training.model, **kwargs)
+    except Exception as exc:
+        raise UserError(f"training.model: could not load {training.model!r}: {_first_line(exc)}") from None
+    model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
+    if training.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=training.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if training.method in ("lora", "qlora"):
+        model = _add_lora(model, training)
+    return model
+
+
+def _add_lora(model: Any, training: Training) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in training.lora.target_modules if m not in present]
+    if missing:
+        raise UserError(
+            f"training.lora.target_modules: {missing} not found in {training.model!r}; "
+            f"its linear layers include {sorted(_linear_names(model))}"
+        )
+    config = LoraConfig(
+        r=training.lora.r,
+        lora_alpha=training.lora.alpha,
+        lora_dropout=training.lora.dropout,
+        target_modules=list(training.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def _linear_names(model: Any) -> set[str]:
+    import torch
+
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,366 @@
+"""The training loop: a short loop that calls the components (data, model, checkpoints, metrics).
+
+Order of work, the same on every rank:
+1. `prepare()` checks the job, the data file and the model reference before any process group
+   exists, so a user's mistake ends every rank at once with the same message.
+2. The process group starts (with a timeout); stale temporary checkpoints are removed and the
+   newest complete checkpoint is found and checked against this run (world size, settings).
+3. Model, DeepSpeed engine and LR scheduler are built; a checkpoint, if any, is loaded, with
+   every rank's RNG states; otherwise each rank seeds itself with seed + rank.
+4. Each optimizer step runs `gradient_accumulation` micro-batches; then one all_gather carries
+   loss, tokens, step time, memory and each rank's stop flag, so all ranks decide together.
+5. Periodic checkpoints every `save_interval` steps, one at the last step, one when stopped;
+   then the final model (adapters or full weights) and tokenizer go to OUTPUT_DIR/final.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jobgen.models import Job, Training
+from jobgen.train import checkpoint as ckpt
+from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, TokenizedDataset, load_conversations
+from jobgen.train.distributed import Distributed, RankInfo
+from jobgen.train.dsconfig import build_config, digest
+from jobgen.train.errors import UserError
+from jobgen.train.exit_report import ExitReport
+from jobgen.train.metrics import MetricsWriter, peak_memory_mb
+from jobgen.train.modeling import check_model_reference, load_model, load_tokenizer
+from jobgen.train.stop import StopRequest
+
+log = logging.getLogger("jobgen.train")
+
+# Settings that may change between a checkpoint and its resumption without breaking exact resume.
+RESUME_SAFE_FIELDS = {
+    "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
+    "output_dir", "step_seconds_estimate",
+}
+
+
+def debug_step_delay() -> float:
+    raw = os.environ.get("JOBGEN_DEBUG_STEP_DELAY", "0")
+    try:
+        value = float(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"JOBGEN_DEBUG_STEP_DELAY is {raw!r}; expected seconds >= 0") from None
+    return value
+
+
+@dataclass
+class Prepared:
+    """Everything checked before the process group starts."""
+
+    job: Job
+    training: Training  # model/data resolved against the working directory
+    run_dir: str
+    output_dir: str
+    precision: str
+    conversations: list[Conversation]
+    ds_config: dict
+    config_digest: str
+    step_delay: float
+
+
+def effective_precision(requested: str, cuda: bool) -> str:
+    """On a GPU the job's precision runs; on the CPU, fp32 (see the package docstring)."""
+    if cuda:
+        return requested
+    if requested != "fp32":
+        log.warning("training.precision %s requested but no CUDA device: running fp32 on the CPU", requested)
+    return "fp32"
+
+
+def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
+    """Validate inputs identically on every rank; raises UserError."""
+    import torch
+
+    training = job.training
+    model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
+    resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
+    if resolved.deepspeed_config:
+        resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
+    output_dir = training.output_dir
+    if not os.path.isabs(output_dir):
+        output_dir = os.path.join(run_dir, output_dir)
+    check_model_reference(resolved.model)
+    conversations = load_conversations(resolved.data)
+    precision = effective_precision(training.precision, torch.cuda.is_available())
+    if training.method == "qlora" and resolved.zero_stage == 3:
+        raise UserError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
+    ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
+    per_rank = -(-len(conversations) // world_size)
+    batches = -(-per_rank // training.per_device_batch_size)
+    if batches < training.gradient_accumulation:
+        raise UserError(
+            f"{resolved.data}: {len(conversations)} conversations make {batches} micro-batches per rank, fewer than "
+            f"training.gradient_accumulation ({training.gradient_accumulation}): no optimizer step could run"
+        )
+    state_fields = {k: v for k, v in resolved.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    return Prepared(
+        job=job,
+        training=resolved,
+        run_dir=run_dir,
+        output_dir=os.path.abspath(output_dir),
+        precision=precision,
+        conversations=conversations,
+        ds_config=ds_config,
+        config_digest=digest({"training": state_fields, "deepspeed": ds_config}),
+        step_delay=debug_step_delay(),
+    )
+
+
+def lr_factor(schedule: str, warmup: int, total: int):
+    """Multiplier of the peak learning rate after `step` optimizer steps (transformers' shapes)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, prepared: Prepared, info: RankInfo, stop: StopRequest, report: ExitReport) -> None:
+        self.p, self.info, self.stop, self.report = prepared, info, stop, report
+        self.t = prepared.training
+
+    # --------------------------------------------------------------- set-up
+    def run(self) -> None:
+        import deepspeed
+        import numpy as np
+        import torch
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        dist = self.dist = Distributed(self.info)
+        t = self.t
+        os.makedirs(self.p.output_dir, exist_ok=True)
+        store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
+        error: Optional[BaseException] = None
+        found = None
+        try:
+            store.remove_stale_temps()
+            found = store.find_latest()
+            if found is not None:
+                ckpt.check_compatible(found, dist.world_size, self.p.config_digest, self._changed_fields(found))
+        except UserError as exc:
+            error = exc
+        dist.raise_together(error)
+        self.report.checkpoint = found.path if found else None
+
+        _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
+        try:
+            tokenizer = self.tokenizer = load_tokenizer(t.model)
+            chat = ChatTokenizer(tokenizer, t.max_length)
+            dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            model = load_model(t, self.p.precision, dist.device)
+        except UserError as exc:
+            error = exc
+        dist.raise_together(error)
+
+        order = BatchOrder(
+            len(dataset), dist.world_size, dist.rank, t.per_device_batch_size, t.seed,
+            dataset.lengths if t.group_by_length else None,
+        )
+        steps_per_epoch = order.batches_per_epoch // t.gradient_accumulation
+        total_steps = (order.batches_per_epoch * t.epochs) // t.gradient_accumulation
+        if t.max_steps is not None:
+            total_steps = min(total_steps, t.max_steps)
+        factor = lr_factor(t.lr_schedule, t.warmup_steps, total_steps)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=trainable,
+            config=self.p.ds_config,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
+        )
+        self.engine, self.scheduler = engine, scheduler
+        first_step = 0
+        if found is not None:
+            store.load(engine, found)
+            first_step = int(found.state["step"])
+            if dist.is_main:
+                log.info("resumed from %s (step %d)", found.path, first_step)
+        else:
+            _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
+        self.report.first_step = self.report.last_step = first_step
+        if dist.is_main:
+            log.info(
+                "%s, ZeRO-%d, %s, world %d, %d steps (%d per epoch), %d trainable parameters",
+                t.method, t.zero_stage, self.p.precision, dist.world_size, total_steps, steps_per_epoch,
+                sum(p.numel() for p in trainable),
+            )
+        self._loop(engine, dataset, order, first_step, total_steps)
+
+    def _changed_fields(self, found: ckpt.Found) -> list[str]:
+        saved = found.state.get("training", {})
+        now = {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+        return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self, engine: Any, dataset: TokenizedDataset, order: BatchOrder, first_step: int, total_steps: int) -> None:
+        import torch
+
+        dist, t, p = self.dist, self.t, self.p
+        accumulation = t.gradient_accumulation
+        metrics = MetricsWriter(p.output_dir, dist.is_main, t.tensorboard, total_steps, first_step)
+        sample_log = _sample_log(p.output_dir, dist.rank)
+        engine.train()
+        interval = {"loss_x_tokens": 0.0, "tokens": 0.0, "inputs": 0.0, "samples": 0.0, "seconds": 0.0}
+        loop_start = time.perf_counter()
+        step = first_step
+        stop = self._agree_stop(step)  # a signal during start-up stops before the first step
+        try:
+            while step < total_steps and not stop:
+                started = time.perf_counter()
+                loss_x_tokens = tokens = inputs = samples = 0.0
+                for micro in range(accumulation):
+                    epoch, index = divmod(step * accumulation + micro, order.batches_per_epoch)
+                    indices = order.batch(epoch, index)
+                    batch = {k: v.to(dist.device) for k, v in dataset.collate(indices).items()}
+                    if sample_log:
+                        sample_log.write(json.dumps({"epoch": epoch, "step": step + 1, "ids": [dataset.ids[i] for i in indices]}) + "\n")
+                    loss_sum, n = _token_loss(engine, batch)
+                    engine.backward(loss_sum / max(n, 1))
+                    engine.step()
+                    loss_x_tokens += float(loss_sum.detach())
+                    tokens += n
+                    inputs += float(batch["attention_mask"].sum())
+                    samples += len(indices)
+                compute_seconds = time.perf_counter() - started
+                step += 1
+                if p.step_delay:
+                    time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
+                rows = dist.all_gather_floats(
+                    [loss_x_tokens, tokens, inputs, samples, compute_seconds,
+                     peak_memory_mb(dist.cuda), 1.0 if self.stop.requested else 0.0]
+                )
+                stop = any(row[6] > 0 for row in rows)
+                wall = time.perf_counter() - started - p.step_delay
+                for key, column in (("loss_x_tokens", 0), ("tokens", 1), ("inputs", 2), ("samples", 3)):
+                    interval[key] += sum(row[column] for row in rows)
+                interval["seconds"] += wall
+                self.report.last_step = step
+                metrics.advance()
+                if step % t.logging_interval == 0 or step == total_steps or stop:
+                    metrics.write({
+                        "step": step,
+                        "epoch": (step * accumulation) / order.batches_per_epoch,
+                        "loss": interval["loss_x_tokens"] / max(interval["tokens"], 1.0),
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "tokens_per_s": interval["inputs"] / interval["seconds"],
+                        "samples_per_s": interval["samples"] / interval["seconds"],
+                        "step_seconds_max": max(row[4] for row in rows),
+                        "step_seconds_min": min(row[4] for row in rows),
+                        "peak_memory_mb": max(row[5] for row in rows),
+                    })
+                    interval = dict.fromkeys(interval, 0.0)
+                if stop or step % t.save_interval == 0 or step == total_steps:
+                    self._save_checkpoint(step, order)
+        finally:
+            self.report.train_seconds = round(time.perf_counter() - loop_start, 3)
+            metrics.close()
+            if sample_log:
+                sample_log.close()
+        self.report.signal = self.stop.signal_name
+        if stop:
+            if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
+                self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
+            self.report.reason = "stopped"
+            self.report.message = f"stopped by {self._signal_text()} at step {step}; resume continues from {self.report.checkpoint}"
+            return
+        if not (self.report.checkpoint or "").endswith(ckpt.step_name(step)):
+            self._save_checkpoint(step, order)
+        final = self._save_final()
+        self.report.reason = "completed"
+        self.report.message = f"completed {step} steps; final model in {final}"
+
+    def _agree_stop(self, step: int) -> bool:
+        rows = self.dist.all_gather_floats([1.0 if self.stop.requested else 0.0])
+        return any(row[0] > 0 for row in rows)
+
+    def _signal_text(self) -> str:
+        return self.stop.signal_name or "a signal on another rank"
+
+    # -------------------------------------------------------------- outputs
+    def _save_checkpoint(self, step: int, order: BatchOrder) -> None:
+        epoch, consumed = divmod(step * self.t.gradient_accumulation, order.batches_per_epoch)
+        state = {
+            "epoch": epoch,
+            "batches_consumed": consumed,
+            "config_digest": self.p.config_digest,
+            "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
+            "lr_scheduler": self.scheduler.state_dict(),
+        }
+        self.report.checkpoint = self.store.save(self.engine, step, state)
+        if self.dist.is_main:
+            log.info("checkpoint %s", self.report.checkpoint)
+
+    def _save_final(self) -> str:
+        """Collective: adapters (lora/qlora) or the full model, plus tokenizer, in OUTPUT_DIR/final."""
+        import shutil
+
+        from jobgen.train.exit_report import fsync_directory
+
+        dist, engine = self.dist, self.engine
+        final = os.path.join(self.p.output_dir, "final")
+        temp = os.path.join(self.p.output_dir, ".tmp-final")
+        state_dict = None
+        if self.t.zero_stage == 3:
+            state_dict = engine._zero3_consolidated_16bit_state_dict()  # collective; rank 0 gets it
+        if dist.is_main:
+            shutil.rmtree(temp, ignore_errors=True)
+            engine.module.save_pretrained(temp, state_dict=state_dict)
+            self.tokenizer.save_pretrained(temp)
+            if os.path.exists(final):
+                old = os.path.join(self.p.output_dir, ".tmp-old-final")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.rename(temp, final)
+            fsync_directory(self.p.output_dir)
+        dist.barrier()
+        return final
+
+
+def _token_loss(engine: Any, batch: dict) -> tuple[Any, int]:
+    """Sum of token cross-entropies over labelled tokens, and how many there were."""
+    import torch
+
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    logits = logits[:, :-1].float()
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return loss_sum, int((labels != -100).sum())
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _sample_log(output_dir: str, rank: int):
+    """Testing aid (JOBGEN_DEBUG_SAMPLE_LOG=1): each rank appends the ids of every micro-batch it trains on."""
+    if os.environ.get("JOBGEN_DEBUG_SAMPLE_LOG", "") not in ("", "0"):
+        return open(os.path.join(output_dir, f"samples-rank{rank}.jsonl"), "a", buffering=1, encoding="utf-8")
+    return None
