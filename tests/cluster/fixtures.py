@@ -1,0 +1,86 @@
+"""Pytest plugin: the `slurm_cluster` fixture, a real four-node Slurm cluster on this machine.
+
+Register it with ``pytest_plugins = ["tests.cluster.fixtures"]`` (or ``-p tests.cluster.fixtures``).
+The cluster is started once per session by ``tests/cluster/slurm-cluster.sh start`` and left
+running afterwards; stopping it is a separate step (``slurm-cluster.sh stop``).
+
+Without root or without the Slurm packages the tests that use it are skipped, except under
+``CI=true``, where that is a failure: CI must run them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CLUSTER_SCRIPT = Path(__file__).with_name("slurm-cluster.sh")
+
+# Jobs that tests submit are named with this prefix, so that teardown cancels them and nothing else.
+TEST_JOB_PREFIX = "jobgen-test"
+
+NEEDS_ROOT = "needs root to start the Slurm test cluster (tests/cluster/slurm-cluster.sh)"
+NEEDS_PACKAGES = "Slurm packages not installed: apt-get install -y slurm-wlm slurm-wlm-torque munge"
+
+# Exit codes of slurm-cluster.sh that mean "cannot run here" rather than "broken".
+_EXIT_NOT_ROOT = 2
+_EXIT_NO_PACKAGES = 3
+
+
+@dataclass(frozen=True)
+class SlurmTestCluster:
+    """What slurm-cluster.sh sets up; see the header of that script."""
+
+    nodes: tuple[str, ...] = ("node1", "node2", "node3", "node4")
+    gpus_per_node: int = 8
+    default_partition: str = "debug"
+    # A job here preempts (and, after GraceTime=30 s, requeues) running jobs in the default one.
+    preempting_partition: str = "high"
+    state_dir: Path = Path(os.environ.get("JOBGEN_SLURM_DIR", "/var/tmp/jobgen-slurm"))
+
+
+def _cannot_run(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the Slurm tests, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _cancel_test_jobs() -> None:
+    listing = subprocess.run(
+        ["squeue", "--noheader", "--format=%A %j"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    job_ids = [
+        job_id
+        for job_id, _, name in (line.partition(" ") for line in listing.stdout.splitlines())
+        if name.startswith(TEST_JOB_PREFIX)
+    ]
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], timeout=30, check=False)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """Starts the test cluster (if it is not already up) and yields a `SlurmTestCluster`.
+
+    Tests name their jobs ``jobgen-test...``; those still queued at the end are cancelled.
+    """
+    started = subprocess.run(
+        [str(CLUSTER_SCRIPT), "start"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    if started.returncode == _EXIT_NOT_ROOT:
+        _cannot_run(NEEDS_ROOT)
+    if started.returncode == _EXIT_NO_PACKAGES:
+        _cannot_run(NEEDS_PACKAGES)
+    if started.returncode != 0:
+        pytest.fail(
+            f"{CLUSTER_SCRIPT} start exited {started.returncode}:\n"
+            f"{started.stdout}{started.stderr}",
+            pytrace=False,
+        )
+    yield SlurmTestCluster()
+    _cancel_test_jobs()
