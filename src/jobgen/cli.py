@@ -75,21 +75,10 @@ def render(config: Path, scheduler: str, site: Optional[str], overrides: tuple[s
     if output is None:
         click.echo(script, nl=False)
         return
-    write_script(output, script)
+    from jobgen.files import write_atomic
+
+    write_atomic(output, script)
     click.echo(f"jobgen: wrote {output}", err=True)
-
-
-def write_script(path: Path, text: str) -> None:
-    """Write atomically with mode 0644: never group- or world-writable on a shared system."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as error:
-        raise JobgenError(f"cannot write {path}: {error.strerror}") from None
 
 
 @main.command()
@@ -112,6 +101,86 @@ def schema() -> None:
     from jobgen.models import Job
 
     click.echo(json.dumps(Job.model_json_schema(), indent=2))
+
+
+@main.command()
+@config_argument
+@scheduler_option
+@site_option
+@set_option
+@click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
+def submit(config: Path, scheduler: str, site: Optional[str], overrides: tuple[str, ...], dry_run: bool) -> None:
+    """Submit CONFIG and print its job id.
+
+    \b
+    Makes the run directory (the job's run_dir, runs/NAME by default) holding the resolved job,
+    the exact script and submission text, and a record of every submission. On Slurm the job
+    goes through submitit; on PBS and Torque through qsub; `--scheduler local` runs it here, in
+    the foreground, with each node a local process.
+    """
+    from jobgen import submit as submission
+
+    resolved = _resolve(config, site, overrides)
+    if dry_run:
+        planned = submission.plan(resolved, scheduler)
+        click.echo(f"# run directory: {planned.run.path}", err=True)
+        if planned.submission != planned.script:
+            click.echo(f"# ---- submission ({scheduler}), which runs {planned.script_path} ----", err=True)
+            click.echo(planned.submission)
+        click.echo(f"# ---- {planned.script_path} ----", err=True)
+        click.echo(planned.script, nl=False)
+        return
+    job_id, planned = submission.submit(resolved, scheduler)
+    done = "ran local job" if scheduler == "local" else "submitted job"
+    click.echo(f"jobgen: {done} {job_id}; run directory {planned.run.path}", err=True)
+    click.echo(job_id)
+    if scheduler == "local":
+        from jobgen.status import local_exit_status
+
+        sys.exit(local_exit_status(planned.run))
+
+
+target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default=".")
+
+
+@main.command()
+@target_argument
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+def status(target: str, as_json: bool) -> None:
+    """Where the job stands: the scheduler's state now, every segment so far, and the goodput."""
+    from jobgen.status import collect, format_table
+
+    report = collect(target)
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+
+
+@main.command()
+@target_argument
+def cancel(target: str) -> None:
+    """Cancel the job's latest submission (scancel or qdel)."""
+    from jobgen.rundir import find_run
+    from jobgen.schedulers import get_scheduler
+
+    latest = find_run(target).latest()
+    get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
+    click.echo(f"jobgen: cancelled job {latest['job_id']}", err=True)
+
+
+@main.command()
+@target_argument
+@click.option("--node", type=int, metavar="K", help="The log of node K (0 is the master) instead of the batch log.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (tail -F).")
+def logs(target: str, node: Optional[int], follow: bool) -> None:
+    """Print the job's batch log, or one node's log with --node."""
+    from jobgen.status import log_path
+
+    path = log_path(target, node)
+    if follow:
+        os.execvp("tail", ["tail", "-n", "+1", "-F", str(path)])
+    try:
+        click.echo(path.read_text(errors="replace"), nl=False)
+    except FileNotFoundError:
+        raise JobgenError(f"no log yet at {path}: the job may still be pending") from None
 
 
 if __name__ == "__main__":

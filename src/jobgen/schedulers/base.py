@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from pathlib import Path
+from typing import ClassVar, Optional
 
 from jobgen.models import Job, _slug
+from jobgen.schedulers.state import JobState
 
 
 class Scheduler:
@@ -36,6 +38,21 @@ class Scheduler:
                 f"'launch.launcher' is '{chosen}', which {self.name} cannot use; accepted: {', '.join(self.launchers)}"
             )
         return chosen
+
+    def submission(self, job: Job, script: Path, run_dir: Path) -> str:
+        """The exact text `submit` hands to the scheduler, for --dry-run and the record."""
+        return script.read_text()
+
+    def submit(self, job: Job, script: Path, run_dir: Path) -> str:
+        """Submits and returns the job id."""
+        raise NotImplementedError
+
+    def state(self, job_id: str) -> Optional[JobState]:
+        """What the scheduler says now; None when it no longer knows the job."""
+        raise NotImplementedError
+
+    def cancel(self, job_id: str) -> None:
+        raise NotImplementedError
 
     @staticmethod
     def job_name(job: Job) -> str:

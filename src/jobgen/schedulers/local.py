@@ -1,11 +1,53 @@
-"""This machine as N simulated nodes: the same per-node script, each node a local process."""
+"""This machine as N simulated nodes: the same per-node script, each node a local process.
+
+`submit` runs the script in the foreground, its output on the terminal and in
+RUN_DIR/logs/local.out; Ctrl-C asks every rank to checkpoint and stop, as a preemption would.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from jobgen.errors import JobgenError
+from jobgen.models import Job
 from jobgen.schedulers.base import Scheduler
+from jobgen.schedulers.state import JobState
 
 
 class Local(Scheduler):
     name = "local"
     template = "local.sh.j2"
     launchers = ("local",)
+
+    def submit(self, job: Job, script: Path, run_dir: Path) -> str:
+        job_id = f"local-{os.getpid()}-{int(time.time())}"
+        log = run_dir / "logs" / f"{job_id}.out"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "JOBGEN_JOB_ID": job_id}
+        sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
+        with log.open("w") as log_file:
+            process = subprocess.Popen(
+                ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+            (run_dir / "local.pid").write_text(f"{job_id} {process.pid}\n")
+            try:
+                for line in process.stdout:  # type: ignore[union-attr]
+                    sys.stderr.write(line)
+                    log_file.write(line)
+                process.wait()
+            except KeyboardInterrupt:
+                # The terminal sent SIGINT to the whole group; the script checkpoints and stops.
+                process.wait()
+        self.returncode = process.returncode
+        return job_id
+
+    def state(self, job_id: str) -> Optional[JobState]:
+        return None  # the run directory's segments say everything about a local run
+
+    def cancel(self, job_id: str) -> None:
+        raise JobgenError("a local job runs in the foreground of its `jobgen submit`: press Ctrl-C there")

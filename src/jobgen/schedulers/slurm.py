@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from jobgen.commands import require, run, scheduler_message
+from jobgen.errors import JobgenError
 from jobgen.models import Job
 from jobgen.schedulers.base import Scheduler, memory_text
+from jobgen.schedulers.state import JobState, parse_key_values
 
 
 class Slurm(Scheduler):
@@ -34,11 +42,79 @@ class Slurm(Scheduler):
                 options.append(f"--{flag}={value}")
         if res.exclusive:
             options.append("--exclusive")
-        if job.requeue.enabled:
-            # B: signals the batch shell only; it tells the ranks itself (see the script's trap).
-            options += ["--requeue", f"--signal=B:{job.requeue.signal}@{job.requeue.warning_seconds}"]
-        else:
-            options.append("--no-requeue")
+        options.append("--requeue" if job.requeue.enabled else "--no-requeue")
+        # B: signals the batch shell only; it tells the ranks itself (see the script's trap), so
+        # a checkpoint is written before the time limit even when requeue is off.
+        options.append(f"--signal=B:{job.requeue.signal}@{job.requeue.warning_seconds}")
         # Append, so the log of a requeued job keeps every segment.
         options += ["--open-mode=append", "--output=%x-%j.out"]
         return options
+
+    # Submission goes through submitit, with the header options above as its parameters; the
+    # batch shell then execs the very script `jobgen render` prints, so a script submitted by
+    # hand with sbatch and a `jobgen submit` start the same processes with the same variables.
+    # (Running the script under submitit's Python process instead would leave an untrapped
+    # batch shell, which the B: warning signal kills.)
+    def _executor(self, job: Job, run_dir: Path):
+        import submitit
+
+        executor = submitit.SlurmExecutor(folder=run_dir / "submitit")
+        executor.update_parameters(use_srun=False, stderr_to_stdout=True, additional_parameters=self._submitit_parameters(job))
+        return executor
+
+    def _submitit_parameters(self, job: Job) -> dict[str, object]:
+        parameters: dict[str, object] = {}
+        for option in self.options(job):
+            key, sep, value = option.removeprefix("--").partition("=")
+            if key in ("output", "open-mode"):
+                continue  # submitit names its own log files and appends already
+            parameters[key.replace("-", "_")] = value if sep else True
+        return parameters
+
+    @staticmethod
+    def _command(script: Path) -> str:
+        return f"exec bash {shlex.quote(str(script))}"
+
+    def submission(self, job: Job, script: Path, run_dir: Path) -> str:
+        return self._executor(job, run_dir)._make_submission_file_text(self._command(script), "dry-run")
+
+    def submit(self, job: Job, script: Path, run_dir: Path) -> str:
+        require("sbatch", "Slurm")
+        executor = self._executor(job, run_dir)
+        try:
+            submitted = executor._submit_command(self._command(script))
+        except Exception as error:  # submitit wraps sbatch's refusal; keep only Slurm's words
+            raise JobgenError(f"Slurm refused the job: {_sbatch_reason(str(error))}") from None
+        return str(submitted.job_id)
+
+    def state(self, job_id: str) -> Optional[JobState]:
+        require("scontrol", "Slurm")
+        result = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+        if result.returncode == 0 and result.stdout.strip():
+            fields = parse_key_values(result.stdout.splitlines()[0])
+            return JobState(
+                job_id=job_id,
+                state=fields.get("JobState", "?"),
+                reason=fields.get("Reason", "").replace("None", ""),
+                nodes=fields.get("NodeList", "").replace("(null)", ""),
+                elapsed=fields.get("RunTime", ""),
+                restarts=int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else None,
+                source="scontrol show job",
+            )
+        # Gone from the controller's memory: only accounting still knows, where it exists.
+        result = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList,Elapsed"], capture_output=True, text=True
+        )
+        if result.returncode == 0 and result.stdout.strip():
+            state, nodes, elapsed = (result.stdout.splitlines()[-1].split("|") + ["", "", ""])[:3]
+            return JobState(job_id=job_id, state=state, nodes=nodes, elapsed=elapsed, source="sacct")
+        return None
+
+    def cancel(self, job_id: str) -> None:
+        require("scancel", "Slurm")
+        run(["scancel", job_id], f"scancel {job_id}")
+
+
+def _sbatch_reason(text: str) -> str:
+    errors = [line.split("error:", 1)[1].strip() for line in text.splitlines() if "sbatch: error:" in line]
+    return "; ".join(errors) if errors else scheduler_message(text)

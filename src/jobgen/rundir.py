@@ -1,0 +1,105 @@
+"""The run directory: everything about one job on disk, so later commands can find and explain it.
+
+    RUN_DIR/job.yaml            the resolved job (every layer applied), as the trainer reads it
+    RUN_DIR/job.<scheduler>.sh  the exact script that runs
+    RUN_DIR/submission.txt      the exact text handed to the scheduler (for Slurm, submitit's sbatch file)
+    RUN_DIR/submissions.jsonl   one line per submission: job id, time, scheduler
+    RUN_DIR/segments.jsonl      written by the script: one start and one end line per segment
+    RUN_DIR/logs/               one log per node and segment
+    RUN_DIR/output/             the trainer's checkpoints, metrics and final weights
+
+An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen) maps job ids to run directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from jobgen.errors import JobgenError
+
+
+def _state_dir() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "jobgen"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def job_file(self) -> Path:
+        return self.path / "job.yaml"
+
+    def script(self, scheduler: str) -> Path:
+        return self.path / f"job.{scheduler}.sh"
+
+    @property
+    def submission_text(self) -> Path:
+        return self.path / "submission.txt"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def submissions(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.path / "submissions.jsonl")
+
+    def segments(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.path / "segments.jsonl")
+
+    def latest(self) -> dict[str, Any]:
+        found = self.submissions()
+        if not found:
+            raise JobgenError(f"{self.path} has no submissions.jsonl: it was not made by `jobgen submit`")
+        return found[-1]
+
+    def record_submission(self, job_id: str, scheduler: str, **extra: Any) -> dict[str, Any]:
+        entry = {"job_id": job_id, "scheduler": scheduler, "submitted_at": _now(), **extra}
+        _append_jsonl(self.path / "submissions.jsonl", entry)
+        _append_jsonl(_state_dir() / "index.jsonl", {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
+        return entry
+
+
+def find_run(target: str) -> RunDir:
+    """A run directory given as a path, or the one a job id was submitted from."""
+    path = Path(target)
+    if (path / "submissions.jsonl").is_file() or (path / "segments.jsonl").is_file():
+        return RunDir(path.resolve())
+    for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
+        if entry.get("job_id") == target:
+            return RunDir(Path(entry["run_dir"]))
+    raise JobgenError(f"'{target}' is neither a run directory nor a job id submitted with `jobgen submit`")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _append_jsonl(path: Path, entry: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a node that died mid-write: the rest still counts
+    return entries
+
+
+def find_latest_job_id(run: RunDir) -> Optional[str]:
+    submissions = run.submissions()
+    return submissions[-1]["job_id"] if submissions else None

@@ -1,0 +1,112 @@
+"""What `jobgen status` and `jobgen logs` read: the run directory's records and the scheduler's word."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from jobgen.errors import JobgenError
+from jobgen.rundir import RunDir, find_run
+from jobgen.schedulers import get_scheduler
+
+
+def collect(target: str) -> dict[str, Any]:
+    run = find_run(target)
+    submissions = run.submissions()
+    latest = submissions[-1] if submissions else None
+    state = None
+    if latest and latest["scheduler"] != "local":
+        try:
+            found = get_scheduler(latest["scheduler"]).state(latest["job_id"])
+            state = found.as_dict() if found else {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": "the scheduler no longer knows this job"}
+        except JobgenError as error:
+            state = {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": str(error)}
+    segments = pair_segments(run.segments())
+    return {
+        "run_dir": str(run.path),
+        "submissions": submissions,
+        "scheduler_state": state,
+        "segments": segments,
+        "goodput": goodput(segments),
+    }
+
+
+def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per segment: a start line, closed by its end line if the script lived to write it."""
+    segments: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("event") == "start":
+            segments.append({
+                "job_id": event["job_id"], "restart": event["restart"], "started_at": event["started_at"],
+                "ended_at": None, "first_step": None, "last_step": None, "outcome": "running or lost",
+                "train_seconds": None,
+            })
+        elif event.get("event") == "end" and segments and segments[-1]["ended_at"] is None:
+            segments[-1].update({
+                "ended_at": event["at"], "first_step": event.get("first_step"), "last_step": event.get("last_step"),
+                "outcome": event.get("outcome") or "unknown", "train_seconds": event.get("train_seconds"),
+            })
+    return segments
+
+
+def goodput(segments: list[dict[str, Any]]) -> Optional[float]:
+    """Training time the trainer reports, over the time the segments held their nodes."""
+    allocated = useful = 0.0
+    for segment in segments:
+        if not segment["ended_at"]:
+            continue
+        allocated += max(0.0, _epoch(segment["ended_at"]) - _epoch(segment["started_at"]))
+        useful += float(segment["train_seconds"] or 0)
+    return round(useful / allocated, 3) if allocated > 0 else None
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"run directory  {report['run_dir']}"]
+    state = report["scheduler_state"]
+    if state:
+        extra = ", ".join(
+            f"{k} {state[k]}" for k in ("reason", "nodes", "elapsed", "restarts") if state.get(k) not in (None, "")
+        )
+        lines.append(f"job {state['job_id']}  {state['state']}" + (f"  ({extra})" if extra else ""))
+    if report["segments"]:
+        lines.append("")
+        header = ("job", "restart", "started", "ended", "steps", "outcome")
+        rows = [
+            (
+                s["job_id"], str(s["restart"]), s["started_at"], s["ended_at"] or "-",
+                "-" if s["last_step"] is None else f"{s['first_step']}->{s['last_step']}", s["outcome"],
+            )
+            for s in report["segments"]
+        ]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    else:
+        lines.append("no segment has started yet")
+    if report["goodput"] is not None:
+        lines.append(f"\ngoodput {report['goodput']:.1%} (training time / time the finished segments held their nodes)")
+    return "\n".join(lines)
+
+
+def log_path(target: str, node: Optional[int]) -> Path:
+    run = find_run(target)
+    latest = run.latest()
+    job_id, scheduler = latest["job_id"], latest["scheduler"]
+    if node is not None:
+        return run.logs / f"{job_id}-node{node}.out"
+    if scheduler == "slurm":
+        return run.path / "submitit" / f"{job_id}_0_log.out"
+    if scheduler == "local":
+        return run.logs / f"{job_id}.out"
+    # PBS writes the joined output beside the submit directory as NAME.oNUMBER.
+    return Path(latest.get("workdir", run.path)) / f"{Path(latest['script']).stem}.o{job_id.split('.')[0]}"
+
+
+def local_exit_status(run: RunDir) -> int:
+    segments = pair_segments(run.segments())
+    return 0 if segments and segments[-1]["outcome"] == "completed" else 1
+
+
+def _epoch(stamp: str) -> float:
+    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
