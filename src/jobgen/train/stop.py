@@ -18,11 +18,15 @@ class StopRequest:
     """Set by SIGTERM, SIGUSR1, SIGUSR2 or SIGINT; remembers the first signal received."""
 
     def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
+        self.signum = 0  # 0: no request; a number travels well in a collective
 
     @property
     def requested(self) -> bool:
-        return self.signal_name is not None
+        return self.signum != 0
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        return signal_name(self.signum)
 
     def install(self) -> "StopRequest":
         for sig in STOP_SIGNALS:
@@ -30,5 +34,10 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
+        if self.signum == 0:
+            self.signum = int(signum)
+
+
+def signal_name(signum: int) -> Optional[str]:
+    """"SIGTERM" for 15, None for 0."""
+    return signal.Signals(signum).name if signum else None

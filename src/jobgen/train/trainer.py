@@ -33,7 +33,7 @@ from jobgen.train.errors import UserError
 from jobgen.train.exit_report import ExitReport
 from jobgen.train.metrics import MetricsWriter, peak_memory_mb
 from jobgen.train.modeling import check_model_reference, load_model, load_tokenizer
-from jobgen.train.stop import StopRequest
+from jobgen.train.stop import StopRequest, signal_name
 
 log = logging.getLogger("jobgen.train")
 
@@ -247,9 +247,9 @@ class Trainer:
                     time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
-                     peak_memory_mb(dist.cuda), 1.0 if self.stop.requested else 0.0]
+                     peak_memory_mb(dist.cuda), float(self.stop.signum)]
                 )
-                stop = any(row[6] > 0 for row in rows)
+                stop = self._note_signal(max(int(row[6]) for row in rows))
                 wall = time.perf_counter() - started - p.step_delay
                 for key, column in (("loss_x_tokens", 0), ("tokens", 1), ("inputs", 2), ("samples", 3)):
                     interval[key] += sum(row[column] for row in rows)
@@ -276,7 +276,6 @@ class Trainer:
             metrics.close()
             if sample_log:
                 sample_log.close()
-        self.report.signal = self.stop.signal_name
         if stop:
             if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
                 self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
@@ -290,11 +289,17 @@ class Trainer:
         self.report.message = f"completed {step} steps; final model in {final}"
 
     def _agree_stop(self, step: int) -> bool:
-        rows = self.dist.all_gather_floats([1.0 if self.stop.requested else 0.0])
-        return any(row[0] > 0 for row in rows)
+        rows = self.dist.all_gather_floats([float(self.stop.signum)])
+        return self._note_signal(max(int(row[0]) for row in rows))
+
+    def _note_signal(self, signum: int) -> bool:
+        """Record the signal any rank received (the largest number if several); True to stop."""
+        if signum:
+            self.report.signal = signal_name(signum)
+        return signum != 0
 
     def _signal_text(self) -> str:
-        return self.stop.signal_name or "a signal on another rank"
+        return self.report.signal or "a signal"
 
     # -------------------------------------------------------------- outputs
     def _save_checkpoint(self, step: int, order: BatchOrder) -> None:
