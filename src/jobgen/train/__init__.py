@@ -10,9 +10,9 @@ tokenizer, LoRA/Q-LoRA), `dsconfig` (DeepSpeed config), `distributed` (ranks, pr
 Paths: `training.model` and `training.data` (and `training.deepspeed_config`) are relative to the
 working directory; `training.output_dir` is relative to the run directory.
 
-Precision: on a GPU, the job's bf16/fp16/fp32 runs. On the CPU every run is fp32 (bf16 and fp16
-requests are logged and run as fp32): CPU bf16 kernels are slow and DeepSpeed's CPU loss-scaling
-paths are not what a CPU run is for (tests, demos, small jobs).
+Precision: the job's bf16/fp16/fp32 runs as asked, on a GPU and on the CPU (all three train on
+the CPU with DeepSpeed ZeRO-2 + LoRA; fp16 with DeepSpeed's loss scaling). On CPUs without
+native bf16/fp16 kernels fp32 is usually the fastest; the trainer says so once and obeys the job.
 
 Environment variables:
 - JOBGEN_PG_TIMEOUT_MINUTES (default 30): timeout of every collective, so a dead rank cannot

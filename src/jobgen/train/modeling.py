@@ -70,7 +70,13 @@ def load_model(training: Training, precision: str, device: Any) -> Any:
         raise UserError(f"training.model: could not load {training.model!r}: {_first_line(exc)}") from None
     model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
     if training.method == "qlora":
+        import bitsandbytes
         from peft import prepare_model_for_kbit_training
+
+        quantized = sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules())
+        if quantized == 0:
+            raise RuntimeError(f"{training.model}: bitsandbytes quantized no layer to 4 bits")
+        log.info("qlora: %d linear layers in 4-bit NF4", quantized)
 
         model = prepare_model_for_kbit_training(
             model,
