@@ -133,7 +133,8 @@ def job_warnings(job: Job) -> list[str]:
             f"training.save_interval {job.training.save_interval} steps x {estimate:g} s is longer than the "
             f"{usable} s the time limit leaves: a lost node would lose the whole segment; lower save_interval"
         )
-    if job.training.method in ("lora", "qlora") and not 64 <= job.global_batch <= 256:
+    probe = job.launch.entrypoint == "jobgen-probe"
+    if not probe and job.training.method in ("lora", "qlora") and not 64 <= job.global_batch <= 256:
         warnings.append(
             f"global batch {job.global_batch} (per-device {job.training.per_device_batch_size} x "
             f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "

@@ -107,6 +107,9 @@ class Launch(_Strict):
     network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
     socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
+    entrypoint: Literal["jobgen-train", "jobgen-probe"] = Field(
+        "jobgen-train", description="jobgen-probe checks ranks and rendezvous in seconds, without a model"
+    )
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
     )

@@ -9,17 +9,19 @@
 #
 # What a test may rely on once `start` has returned 0:
 #   - plain sbatch/srun/squeue/scontrol work with no extra environment (config in /etc/slurm);
-#   - nodes node1..node4 (names resolve to 127.0.0.1 via /etc/hosts), each with CPUs=4 and
+#   - nodes node1..node4 (names resolve to 127.0.0.1 via /etc/hosts), each declared like a GPU
+#     node (CPUs=128, RealMemory=2000000, trusted by config_overrides) so real job files fit, and
 #     8 fake GPUs (gres gpu:8, character devices that are copies of /dev/null), all idle;
 #   - partitions `debug` (default, PriorityTier=1, PreemptMode=REQUEUE, GraceTime=30) and
 #     `high` (PriorityTier=10, PreemptMode=OFF) over all four nodes (PreemptType=
 #     preempt/partition_prio): an --exclusive job in `high` preempts a running `debug` job; its
 #     steps get SIGTERM at once, and a job still running after the grace time is killed and
 #     requeued (a job that exits 0 within the grace time ends COMPLETED, not requeued);
-#   - any --account (or none) is accepted: without an accounting daemon Slurm cannot tell a
-#     valid account from a bogus one. Partition AllowAccounts=research,ml was tried: every job,
-#     --account=ml included, then pends with "Job's account not known" (or, with
-#     EnforcePartLimits=ALL, is rejected as "Invalid account or account/partition combination");
+#   - a third partition `gpu`, like `debug` but not the default;
+#   - accounts `research` and `ml` (or none) are accepted and any other --account is refused at
+#     submission, by a job_submit.lua plugin: without an accounting daemon Slurm cannot tell a
+#     valid account from a bogus one itself. (Partition AllowAccounts=research,ml was tried:
+#     every job, --account=ml included, then pends with "Job's account not known".)
 #   - no accounting daemon: sacct does not work, squeue and `scontrol show job` do.
 #
 # State (pid files, logs, spool and state-save dirs, fake GPU devices) lives in
@@ -96,6 +98,7 @@ JobRequeue=1
 # Refuse at submission what a partition can never run (e.g. -N5 here), as most sites do; the
 # default queues such a job, and it pends forever.
 EnforcePartLimits=ALL
+JobSubmitPlugins=lua
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
@@ -124,10 +127,32 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 
 GresTypes=gpu
-NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=4 RealMemory=4000 Gres=gpu:8 State=UNKNOWN
+NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=128 RealMemory=2000000 Gres=gpu:8 State=UNKNOWN
 # AllowAccounts=ALL: a list of accounts needs slurmdbd; without it every job is refused.
 PartitionName=debug Nodes=node[1-4] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=high Nodes=node[1-4] PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
+PartitionName=gpu Nodes=node[1-4] PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
+EOF
+}
+
+# What a site with an accounting daemon does for accounts, done by a job_submit plugin: only
+# `research` and `ml` exist; any other --account is refused at submission with Slurm's own error.
+job_submit_lua() {
+    cat <<'EOF'
+local known_accounts = { research = true, ml = true }
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+    local account = job_desc.account
+    if account ~= nil and account ~= "" and not known_accounts[account] then
+        slurm.log_user("account '" .. account .. "' does not exist on this cluster (known: research, ml)")
+        return slurm.ESLURM_INVALID_ACCOUNT or slurm.ERROR
+    end
+    return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+    return slurm.SUCCESS
+end
 EOF
 }
 
@@ -142,7 +167,8 @@ EOF
 # True when /etc/slurm holds what this version of the script writes, so a running cluster can be
 # kept; after an edit of this script, start restarts the cluster with the new config.
 config_current() {
-    cmp -s <(slurm_conf) "$CONF_DIR/slurm.conf" && cmp -s <(gres_conf) "$CONF_DIR/gres.conf"
+    cmp -s <(slurm_conf) "$CONF_DIR/slurm.conf" && cmp -s <(gres_conf) "$CONF_DIR/gres.conf" &&
+        cmp -s <(job_submit_lua) "$CONF_DIR/job_submit.lua"
 }
 
 write_config() {
@@ -157,6 +183,7 @@ write_config() {
     done
     slurm_conf >"$CONF_DIR/slurm.conf"
     gres_conf >"$CONF_DIR/gres.conf"
+    job_submit_lua >"$CONF_DIR/job_submit.lua"
 }
 
 ensure_hosts() {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import subprocess
 from pathlib import Path
@@ -55,12 +57,13 @@ class Slurm(Scheduler):
     # hand with sbatch and a `jobgen submit` start the same processes with the same variables.
     # (Running the script under submitit's Python process instead would leave an untrapped
     # batch shell, which the B: warning signal kills.)
-    def _executor(self, job: Job, run_dir: Path):
-        import submitit
-
-        executor = submitit.SlurmExecutor(folder=run_dir / "submitit")
-        executor.update_parameters(use_srun=False, stderr_to_stdout=True, additional_parameters=self._submitit_parameters(job))
-        return executor
+    def _submitit_settings(self, job: Job, run_dir: Path) -> dict[str, object]:
+        return {
+            "folder": run_dir / "submitit",
+            "use_srun": False,
+            "stderr_to_stdout": True,
+            "additional_parameters": self._submitit_parameters(job),
+        }
 
     def _submitit_parameters(self, job: Job) -> dict[str, object]:
         parameters: dict[str, object] = {}
@@ -76,13 +79,23 @@ class Slurm(Scheduler):
         return f"exec bash {shlex.quote(str(script))}"
 
     def submission(self, job: Job, script: Path, run_dir: Path) -> str:
-        return self._executor(job, run_dir)._make_submission_file_text(self._command(script), "dry-run")
+        # The function submitit's executor formats its file with; it needs no Slurm here.
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        return _make_sbatch_string(command=self._command(script), **self._submitit_settings(job, run_dir))
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         require("sbatch", "Slurm")
-        executor = self._executor(job, run_dir)
+        import submitit
+
+        settings = self._submitit_settings(job, run_dir)
+        executor = submitit.SlurmExecutor(folder=settings.pop("folder"))
+        executor.update_parameters(**settings)
+        executor.folder.mkdir(parents=True, exist_ok=True)
         try:
-            submitted = executor._submit_command(self._command(script))
+            # submitit prints sbatch's refusal itself; the user gets it once, in one line, below.
+            with contextlib.redirect_stderr(io.StringIO()):
+                submitted = executor._submit_command(self._command(script))
         except Exception as error:  # submitit wraps sbatch's refusal; keep only Slurm's words
             raise JobgenError(f"Slurm refused the job: {_sbatch_reason(str(error))}") from None
         return str(submitted.job_id)
