@@ -73,7 +73,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 trainer.dist.close()
         code = 0
     except UserError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        # One write, so the lines of ranks sharing a terminal or pipe do not interleave.
+        os.write(2, f"{PROG}: error: {exc}\n".encode())
         report.reason, report.message, code = "failed", str(exc), 2
     except BaseException as exc:  # noqa: BLE001 - any crash must still leave trainer-exit.json
         traceback.print_exc()

@@ -27,7 +27,7 @@ def check_model_reference(model: str) -> None:
         return
     if os.path.exists(model):
         raise UserError(f"training.model: {model!r} is a file; expected a model directory or a hub name")
-    if not HUB_NAME.match(model):
+    if not HUB_NAME.match(model) or os.path.isdir(model.split("/")[0]):
         raise UserError(f"training.model: path {model!r} does not exist (and it is not a hub name like org/name)")
 
 
