@@ -1,0 +1,112 @@
+"""The trainer's components on their own: chat layout, batch order, LR shapes, stop flag, exit file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+
+from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, load_conversations
+from jobgen.train.exit_report import ExitReport, write_exit_report
+from jobgen.train.stop import StopRequest
+from jobgen.train.trainer import lr_factor
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny / "model")
+
+
+def _conversation(tmp_path, turns):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps([{"id": "x", "conversations": turns}]))
+    return load_conversations(str(path))[0]
+
+
+def test_chat_layout_and_loss_only_on_assistant_turns(tmp_path, tokenizer):
+    conversation = _conversation(tmp_path, [
+        {"from": "user", "value": "What is 2 plus 2?"},
+        {"from": "assistant", "value": "2 plus 2 is 4."},
+        {"from": "user", "value": "And 3 plus 3?"},
+        {"from": "assistant", "value": "6."},
+    ])
+    ids, labels = ChatTokenizer(tokenizer, max_length=512)(conversation)
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
+        "<|im_start|>assistant\n2 plus 2 is 4.<|im_end|>\n"
+        "<|im_start|>user\nAnd 3 plus 3?<|im_end|>\n"
+        "<|im_start|>assistant\n6.<|im_end|>\n"
+    )
+    learned = tokenizer.decode([t for t, l in zip(ids, labels) if l != IGNORE_INDEX])
+    assert learned == "<|im_start|>2 plus 2 is 4.<|im_end|>\n<|im_start|>6.<|im_end|>\n"
+    assert all(l in (IGNORE_INDEX, t) for t, l in zip(ids, labels))
+
+
+def test_truncation_to_max_length(tmp_path, tokenizer):
+    conversation = _conversation(tmp_path, [{"from": "user", "value": "a " * 200}, {"from": "assistant", "value": "b"}])
+    ids, labels = ChatTokenizer(tokenizer, max_length=16)(conversation)
+    assert len(ids) == len(labels) == 16
+
+
+def _epoch(order_args, epoch, world):
+    return [BatchOrder(rank=r, world_size=world, **order_args).epoch_batches(epoch) for r in range(world)]
+
+
+@pytest.mark.parametrize("lengths", [None, [((i * 37) % 23) + 1 for i in range(40)]])
+def test_batch_order_covers_every_sample_once_per_epoch_and_is_deterministic(lengths):
+    args = {"num_samples": 40, "batch_size": 3, "seed": 5, "lengths": lengths}
+    for epoch in (0, 1):
+        per_rank = _epoch(args, epoch, world=4)
+        flat = [i for batches in per_rank for batch in batches for i in batch]
+        assert sorted(flat) == list(range(40))
+        assert len({len(batches) for batches in per_rank}) == 1  # every rank takes the same number of steps
+        assert per_rank == _epoch(args, epoch, world=4)
+    assert _epoch(args, 0, 4) != _epoch(args, 1, 4)  # set_epoch reshuffles
+
+
+def test_length_grouping_puts_similar_lengths_together():
+    lengths = [(i * 7919) % 500 + 1 for i in range(400)]
+    grouped = BatchOrder(400, 1, 0, 8, seed=1, lengths=lengths).epoch_batches(0)
+    plain = BatchOrder(400, 1, 0, 8, seed=1).epoch_batches(0)
+
+    def spread(batches):
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
+
+    assert spread(grouped) < spread(plain) / 3
+
+
+def test_lr_shapes_follow_transformers():
+    cosine, linear, constant = (lr_factor(s, warmup=2, total=10) for s in ("cosine", "linear", "constant"))
+    assert [cosine(0), cosine(1), cosine(2)] == [0.0, 0.5, 1.0]
+    assert cosine(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5))) and cosine(10) == pytest.approx(0.0)
+    assert linear(6) == pytest.approx(0.5) and linear(10) == 0.0
+    assert constant(9) == 1.0
+
+
+def test_stop_request_only_records_the_first_signal():
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+    try:
+        stop = StopRequest().install()
+        assert not stop.requested and stop.signal_name is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signal_name == "SIGUSR2"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_exit_report_is_written_whole(tmp_path):
+    report = ExitReport(reason="stopped", signal="SIGTERM", first_step=3, last_step=7, checkpoint="/c", message="m")
+    path = write_exit_report(str(tmp_path), report)
+    payload = json.loads(open(path).read())
+    assert set(payload) == {"reason", "signal", "first_step", "last_step", "checkpoint", "started_at",
+                            "ended_at", "train_seconds", "message"}
+    assert payload["reason"] == "stopped" and payload["ended_at"] >= payload["started_at"]
+    assert os.listdir(tmp_path) == ["trainer-exit.json"]
