@@ -1,9 +1,11 @@
 """Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), TensorBoard when asked, a progress bar on a TTY.
 
-One line per logging step: step, loss (token-weighted over every rank and micro-batch since the
-previous line: sum(loss*tokens)/sum(tokens)), lr, tokens_per_s and samples_per_s (all ranks, input
-tokens including the prompt), step_seconds_max/min (slowest and fastest rank's last step),
-peak_memory_mb (largest over ranks: CUDA max allocated, or the process's max RSS on the CPU).
+One line per logging step: step; time (Unix seconds when written); loss, token-weighted over
+every rank and micro-batch since the previous line (sum(loss*tokens)/sum(tokens), all-gathered);
+lr; tokens (input tokens of all ranks since the previous line, prompt included); tokens_per_s and
+samples_per_s (all ranks, over the steps' wall time); step_seconds_max/min (slowest and fastest
+rank's compute time of the last step); peak_memory_mb (largest over ranks: CUDA max allocated, or
+the process's max RSS on the CPU).
 """
 
 from __future__ import annotations

@@ -257,9 +257,11 @@ class Trainer:
                 if step % t.logging_interval == 0 or step == total_steps or stop:
                     metrics.write({
                         "step": step,
+                        "time": time.time(),
                         "epoch": (step * accumulation) / order.batches_per_epoch,
                         "loss": interval["loss_x_tokens"] / max(interval["tokens"], 1.0),
                         "lr": self.scheduler.get_last_lr()[0],
+                        "tokens": int(interval["inputs"]),
                         "tokens_per_s": interval["inputs"] / interval["seconds"],
                         "samples_per_s": interval["samples"] / interval["seconds"],
                         "step_seconds_max": max(row[4] for row in rows),
