@@ -30,9 +30,9 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def torchrun_command(job: Path, nproc: int) -> list[str]:
+def torchrun_command(job: Path, nproc: int, launcher_args: tuple = ()) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", *launcher_args, f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}", "-m", "jobgen.train", "--job", str(job),
     ]
 
@@ -45,9 +45,9 @@ def train(job: Path, nproc: int = 2, timeout: float = 240, **env: str) -> subpro
     )
 
 
-def start(job: Path, nproc: int = 2, **env: str) -> subprocess.Popen:
+def start(job: Path, nproc: int = 2, launcher_args: tuple = (), **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        torchrun_command(job, nproc), cwd=job.parent, env=subprocess_env(**env),
+        torchrun_command(job, nproc, launcher_args), cwd=job.parent, env=subprocess_env(**env),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

@@ -175,3 +175,26 @@ def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tools, tiny, tmp
     assert Path(report["checkpoint"], "COMPLETE").exists()
     manifest = json.loads(Path(report["checkpoint"], "manifest.json").read_text())
     assert manifest["step"] == report["last_step"] < STEPS
+
+
+def test_full_zero3_bf16_stopped_by_sigusr1_through_torchrun_resumes_bitwise(tools, tiny, tmp_path):
+    """torchrun forwards SIGUSR1 only when told to (--signals-to-handle); the batch scripts do that."""
+    from safetensors.torch import load_file
+
+    settings = dict(method="full", zero_stage=3, precision="bf16", gradient_checkpointing=True, epochs=1)
+    straight = tools.write_job(tmp_path / "straight", tiny, **settings)
+    assert tools.train(straight).returncode == 0
+    job = tools.write_job(tmp_path / "interrupted", tiny, **settings)
+    forward = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",)
+    proc = tools.start(job, launcher_args=forward, JOBGEN_DEBUG_STEP_DELAY="0.4")
+    tools.wait_for_step(job.parent / "output" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=120)
+    stopped = tools.exit_report(job.parent)
+    assert (stopped["reason"], stopped["signal"]) == ("stopped", "SIGUSR1") and stopped["last_step"] < 6
+    resumed = tools.train(job)
+    assert resumed.returncode == 0, resumed.stdout
+    assert tools.exit_report(job.parent)["first_step"] == stopped["last_step"]
+    a = load_file(str(straight.parent / "output" / "final" / "model.safetensors"))
+    b = load_file(str(job.parent / "output" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
