@@ -110,3 +110,31 @@ def test_exit_report_is_written_whole(tmp_path):
                             "ended_at", "train_seconds", "message"}
     assert payload["reason"] == "stopped" and payload["ended_at"] >= payload["started_at"]
     assert os.listdir(tmp_path) == ["trainer-exit.json"]
+
+
+def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    from jobgen.models import Job
+    from jobgen.train.trainer import prepare
+
+    shutil.copy(tiny / "data.json", tmp_path / "conversations.json")
+    monkeypatch.chdir(tmp_path)
+    job = Job.model_validate({
+        "launch": {"procs_per_node": 2},
+        "training": {"model": str(tiny / "model"), "data": "conversations.json", "output_dir": "out"},
+    })
+    prepared = prepare(job, str(tmp_path / "runs" / "r1"), world_size=2)
+    assert prepared.training.data == str(tmp_path / "conversations.json")
+    assert prepared.output_dir == str(tmp_path / "runs" / "r1" / "out")
+    assert len(prepared.conversations) == 48 and prepared.ds_config["train_batch_size"] == 2
+
+
+def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path):
+    from jobgen.train.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, total_steps=2, first_step=0)
+    writer.write({"step": 1, "loss": 2.0, "lr": 0.1})
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0, "lr": 0.1}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -11,7 +11,7 @@ from typing import Optional
 
 from jobgen.train.errors import UserError
 from jobgen.train.exit_report import ExitReport, write_exit_report
-from jobgen.train.stop import StopRequest
+from jobgen.train.stop import STOP_FILE, StopRequest
 
 PROG = "jobgen-train"
 
@@ -54,9 +54,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[{PROG} rank {rank}] %(levelname)s %(message)s",
     )
-    stop = StopRequest().install()  # before anything slow, so an early signal is not lost
-    report = ExitReport()
     run_dir = os.path.abspath(args.run_dir or os.path.dirname(os.path.abspath(args.job)))
+    # Installed before anything slow, so an early signal is not lost.
+    stop = StopRequest(stop_file=os.path.join(run_dir, STOP_FILE)).install()
+    report = ExitReport()
     code = 1
     try:
         from jobgen.train.distributed import RankInfo

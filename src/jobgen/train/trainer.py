@@ -92,8 +92,6 @@ def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
     check_model_reference(resolved.model)
     conversations = load_conversations(resolved.data)
     precision = effective_precision(training.precision, torch.cuda.is_available())
-    if training.method == "qlora" and resolved.zero_stage == 3:
-        raise UserError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
     per_rank = -(-len(conversations) // world_size)
     batches = -(-per_rank // training.per_device_batch_size)
@@ -136,11 +134,12 @@ class Trainer:
     def __init__(self, prepared: Prepared, info: RankInfo, stop: StopRequest, report: ExitReport) -> None:
         self.p, self.info, self.stop, self.report = prepared, info, stop, report
         self.t = prepared.training
+        self._slowest_step = 0.0
+        self._warned_slow_stop = False
 
     # --------------------------------------------------------------- set-up
     def run(self) -> None:
         import deepspeed
-        import numpy as np
         import torch
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -211,8 +210,6 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def _loop(self, engine: Any, dataset: TokenizedDataset, order: BatchOrder, first_step: int, total_steps: int) -> None:
-        import torch
-
         dist, t, p = self.dist, self.t, self.p
         accumulation = t.gradient_accumulation
         metrics = MetricsWriter(p.output_dir, dist.is_main, t.tensorboard, total_steps, first_step)
@@ -248,6 +245,7 @@ class Trainer:
                      peak_memory_mb(dist.cuda), float(self.stop.signum)]
                 )
                 stop = self._note_signal(max(int(row[6]) for row in rows))
+                self._slowest_step = max(row[4] for row in rows)
                 wall = time.perf_counter() - started - p.step_delay
                 for key, column in (("loss_x_tokens", 0), ("tokens", 1), ("inputs", 2), ("samples", 3)):
                     interval[key] += sum(row[column] for row in rows)
@@ -311,9 +309,26 @@ class Trainer:
             "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
             "lr_scheduler": self.scheduler.state_dict(),
         }
+        started = time.perf_counter()
         self.report.checkpoint = self.store.save(self.engine, step, state)
+        seconds = time.perf_counter() - started
         if self.dist.is_main:
-            log.info("checkpoint %s", self.report.checkpoint)
+            log.info("checkpoint %s (%.1f s)", self.report.checkpoint, seconds)
+            self._warn_if_stop_is_too_slow(seconds)
+
+    def _warn_if_stop_is_too_slow(self, save_seconds: float) -> None:
+        """Once: a stop must finish a step and a checkpoint inside the requeue warning."""
+        requeue = self.p.job.requeue
+        if self._warned_slow_stop or not requeue.enabled:
+            return
+        needed = self._slowest_step + save_seconds
+        if needed > requeue.warning_seconds * 0.8:
+            self._warned_slow_stop = True
+            log.warning(
+                "a graceful stop needs about %.0f s (one step %.0f s + checkpoint %.0f s), close to or over "
+                "requeue.warning_seconds (%d): raise it, or the scheduler may kill the job before the checkpoint",
+                needed, self._slowest_step, save_seconds, requeue.warning_seconds,
+            )
 
     def _save_final(self) -> str:
         """Collective: adapters (lora/qlora) or the full model, plus tokenizer, in OUTPUT_DIR/final."""
