@@ -222,20 +222,24 @@ class Trainer:
         try:
             while step < total_steps and not stop:
                 started = time.perf_counter()
-                loss_x_tokens = tokens = inputs = samples = 0.0
+                loss_x_tokens, tokens, inputs, samples = 0.0, 0, 0, 0
                 for micro in range(accumulation):
                     epoch, index = divmod(step * accumulation + micro, order.batches_per_epoch)
                     indices = order.batch(epoch, index)
-                    batch = {k: v.to(dist.device) for k, v in dataset.collate(indices).items()}
+                    cpu_batch = dataset.collate(indices)
+                    # Counted on the host copy, so the GPU path has no extra synchronisation.
+                    n = int((cpu_batch["labels"][:, 1:] != -100).sum())
+                    inputs += int(cpu_batch["attention_mask"].sum())
+                    samples += len(indices)
+                    batch = {k: v.to(dist.device, non_blocking=True) for k, v in cpu_batch.items()}
                     if sample_log:
                         sample_log.write(json.dumps({"epoch": epoch, "step": step + 1, "ids": [dataset.ids[i] for i in indices]}) + "\n")
-                    loss_sum, n = _token_loss(engine, batch)
+                    loss_sum = _token_loss_sum(engine, batch)
                     engine.backward(loss_sum / max(n, 1))
                     engine.step()
-                    loss_x_tokens += float(loss_sum.detach())
+                    loss_x_tokens = loss_x_tokens + loss_sum.detach()
                     tokens += n
-                    inputs += float(batch["attention_mask"].sum())
-                    samples += len(indices)
+                loss_x_tokens = float(loss_x_tokens)
                 compute_seconds = time.perf_counter() - started
                 step += 1
                 if p.step_delay:
@@ -357,17 +361,16 @@ class Trainer:
         return final
 
 
-def _token_loss(engine: Any, batch: dict) -> tuple[Any, int]:
-    """Sum of token cross-entropies over labelled tokens, and how many there were."""
+def _token_loss_sum(engine: Any, batch: dict) -> Any:
+    """Sum of the token cross-entropies over labelled tokens (labels are -100 elsewhere)."""
     import torch
 
     logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
     logits = logits[:, :-1].float()
-    loss_sum = torch.nn.functional.cross_entropy(
+    return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
-    return loss_sum, int((labels != -100).sum())
 
 
 def _seed_all(seed: int) -> None:
