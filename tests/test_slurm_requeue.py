@@ -1,0 +1,252 @@
+"""Preemption, time limit, restart bound and a lost node, on the real Slurm test cluster.
+
+Every scenario runs twice side by side, on disjoint nodes: the rendered script submitted by hand
+with `sbatch`, and the same job through `jobgen submit`. Each job is a 2-node LoRA fine-tune of a
+tiny model (real DeepSpeed ZeRO-2 on gloo); JOBGEN_DEBUG_STEP_DELAY slows its steps so the test
+can interrupt it mid-training. The final adapter of every interrupted run must be bitwise equal to
+the same job run without interruption, and every optimizer step must be trained exactly once.
+
+Requeued jobs wait about two minutes (Reason=BeginTime) before Slurm starts them again; as the
+cluster's administrator the tests release them at once with `scontrol update StartTime=now`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import jobgen
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+MAX_STEPS = 12
+SAVE_INTERVAL = 4
+VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+PATHS = ("sbatch", "jobgen-submit")
+
+
+def job_file(folder: Path, tiny: Path, name: str, **sections) -> Path:
+    job = {
+        "name": f"jobgen-test-{name}",
+        # Exclusive: the two jobs of a scenario get disjoint nodes.
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": "debug", "exclusive": True},
+        "launch": {"procs_per_node": 1},
+        "training": {
+            "model": str(tiny / "model"), "data": str(tiny / "data.json"), "method": "lora", "precision": "fp32",
+            "per_device_batch_size": 2, "max_length": 64, "max_steps": MAX_STEPS, "save_interval": SAVE_INTERVAL,
+        },
+        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+    }
+    for section, values in sections.items():
+        job[section].update(values)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def submit(path: str, config: Path, step_delay: float) -> str:
+    env = {**os.environ, "PATH": VENV_PATH, "JOBGEN_DEBUG_STEP_DELAY": str(step_delay)}
+    if path == "sbatch":
+        script = config.with_suffix(".sbatch")
+        assert jobgen("render", "-s", "slurm", str(config), "-o", str(script)).returncode == 0
+        out = subprocess.run(["sbatch", "--parsable", str(script)], cwd=config.parent, env=env, capture_output=True, text=True)
+    else:
+        out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(config)],
+                             cwd=config.parent, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    return dict(t.split("=", 1) for t in out.split() if "=" in t)
+
+
+def wait_for(condition, what: str, timeout: float = 180, every: float = 1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "output" / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_step(run_dir: Path, step: int) -> None:
+    wait_for(lambda: any(s >= step for s in trained_steps(run_dir)), f"step {step} in {run_dir}")
+
+
+def is_requeued(job_id: str, restarts: int) -> bool:
+    fields = job_fields(job_id)
+    return fields.get("JobState") == "PENDING" and int(fields.get("Restarts", 0)) >= restarts
+
+
+def release_when_requeued(job_id: str, restarts: int) -> None:
+    """Waits until Slurm has put the job back in the queue, then lets it start at once."""
+    wait_for(lambda: is_requeued(job_id, restarts), f"job {job_id} to be requeued ({restarts})", timeout=120)
+    # Released within a second of its requeue, a job was started before its previous allocation
+    # was cleaned up and failed ("Job credential revoked"); Slurm's own delay is two minutes.
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
+def wait_until_done(job_id: str, timeout: float = 300) -> str:
+    done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+    return wait_for(lambda: job_fields(job_id).get("JobState") in done and job_fields(job_id)["JobState"], f"job {job_id} to end", timeout)
+
+
+def preempt_everything() -> None:
+    """An exclusive job in the high-priority partition needs every node, so it preempts `debug`."""
+    subprocess.run(["sbatch", "-p", "high", "--exclusive", "-N4", "--job-name=jobgen-test-preemptor", "--output=/dev/null", "--wrap", "sleep 3"],
+                   check=True, capture_output=True)
+
+
+def segments(run_dir: Path) -> list[dict]:
+    from jobgen.status import pair_segments
+
+    events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    return pair_segments(events)
+
+
+def adapter(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "output" / "final" / "adapter_model.safetensors"))
+
+
+def assert_bitwise_equal(run_dir: Path, reference: dict) -> None:
+    import torch
+
+    weights = adapter(run_dir)
+    assert weights.keys() == reference.keys()
+    different = [name for name in weights if not torch.equal(weights[name], reference[name])]
+    assert not different, f"{len(different)} adapter tensors differ from the uninterrupted run, e.g. {different[0]}"
+
+
+def assert_every_step_trained_once(run_dir: Path) -> None:
+    assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(folder)], check=True, capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory) -> dict:
+    """The same job, run once on the cluster without interruption."""
+    config = job_file(tmp_path_factory.mktemp("reference"), tiny, "reference")
+    job_id = submit("jobgen-submit", config, step_delay=0)
+    assert wait_until_done(job_id) == "COMPLETED"
+    run_dir = config.parent / "runs" / "jobgen-test-reference"
+    assert_every_step_trained_once(run_dir)
+    return adapter(run_dir)
+
+
+def start_both(tmp_path: Path, tiny: Path, name: str, step_delay: float, **sections) -> dict[str, tuple[str, Path]]:
+    started = {}
+    for path in PATHS:
+        config = job_file(tmp_path / path, tiny, name, **sections)
+        started[path] = (submit(path, config, step_delay), config.parent / "runs" / f"jobgen-test-{name}")
+    return started
+
+
+def test_a_preempted_job_comes_back_by_itself_and_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
+    jobs = start_both(tmp_path, tiny, "preempt", step_delay=2)
+    for _, run_dir in jobs.values():
+        wait_for_step(run_dir, 2)
+    preempted_at = time.time()
+    preempt_everything()
+    for job_id, _ in jobs.values():
+        release_when_requeued(job_id, restarts=1)
+    for path, (job_id, run_dir) in jobs.items():
+        assert wait_until_done(job_id) == "COMPLETED", path
+        first, second = segments(run_dir)
+        assert first["outcome"] == "preempted" and second["outcome"] == "completed", path
+        # Resumed from the checkpoint taken at the signal: no step lost, none trained twice.
+        assert second["first_step"] == first["last_step"] >= 2, path
+        assert (run_dir / "output" / "checkpoints").exists()
+        assert_every_step_trained_once(run_dir)
+        assert_bitwise_equal(run_dir, reference)
+        assert job_fields(job_id)["Restarts"] == "1"
+        report = jobgen("status", str(run_dir), "--json")
+        assert json.loads(report.stdout)["segments"][0]["outcome"] == "preempted"
+        print(f"{path}: preempted at step {first['last_step']}, {time.time() - preempted_at:.0f} s to finish")
+
+
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
+    # Slurm sends the warning 60 s before the end (it may come up to a minute early), so each
+    # segment trains for between 0.5 and 1.5 minutes; 12 steps of 10 s need at least two segments.
+    jobs = start_both(tmp_path, tiny, "timelimit", step_delay=10,
+                      resources={"time_limit": "00:02:30"}, requeue={"warning_seconds": 60, "max_restarts": 5})
+    for path, (job_id, run_dir) in jobs.items():
+        restarts = 0
+        while job_fields(job_id).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            if is_requeued(job_id, restarts + 1):  # each segment may end in a requeue: release it
+                restarts += 1
+                release_when_requeued(job_id, restarts)
+            time.sleep(1)
+        assert job_fields(job_id)["JobState"] == "COMPLETED", path
+        history = segments(run_dir)
+        assert [s["outcome"] for s in history[:-1]] == ["time_limit"] * (len(history) - 1) and history[-1]["outcome"] == "completed"
+        for before, after in zip(history, history[1:]):
+            assert after["first_step"] == before["last_step"], path
+        assert_every_step_trained_once(run_dir)
+        assert_bitwise_equal(run_dir, reference)
+
+
+def test_a_job_preempted_more_often_than_max_restarts_stops_and_says_so(tmp_path: Path, tiny: Path) -> None:
+    jobs = start_both(tmp_path, tiny, "bound", step_delay=2, requeue={"max_restarts": 1})
+    for _, run_dir in jobs.values():
+        wait_for_step(run_dir, 2)
+    preempt_everything()
+    for job_id, _ in jobs.values():
+        release_when_requeued(job_id, restarts=1)
+    for _, run_dir in jobs.values():
+        stopped_at = segments(run_dir)[0]["last_step"]
+        wait_for(lambda: max(trained_steps(run_dir), default=0) > stopped_at, "a step of the second segment")
+    preempt_everything()
+    for path, (job_id, run_dir) in jobs.items():
+        assert wait_until_done(job_id) == "FAILED", path
+        history = segments(run_dir)
+        assert [s["outcome"] for s in history] == ["preempted", "restarts_exhausted"], path
+        log = jobgen("logs", str(run_dir)).stdout if path == "jobgen-submit" else (run_dir.parent.parent / f"jobgen-test-bound-{job_id}.out").read_text()
+        assert "not requeued: the job was already restarted 1 times (requeue.max_restarts is 1)" in log, path
+        assert job_fields(job_id)["Restarts"] == "1"
+
+
+def test_a_node_lost_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path: Path, tiny: Path, reference: dict) -> None:
+    jobs = start_both(tmp_path, tiny, "nodelost", step_delay=2)
+    for _, run_dir in jobs.values():
+        wait_for_step(run_dir, SAVE_INTERVAL + 2)
+    lost_at_step = {}
+    for path, (job_id, run_dir) in jobs.items():
+        second_node = subprocess.run(["scontrol", "show", "hostnames", job_fields(job_id)["NodeList"]],
+                                     capture_output=True, text=True).stdout.split()[1]
+        lost_at_step[path] = max(trained_steps(run_dir))
+        subprocess.run(["scontrol", "update", f"NodeName={second_node}", "State=DOWN", "Reason=jobgen-test"], check=True)
+    for job_id, _ in jobs.values():
+        release_when_requeued(job_id, restarts=1)
+    for path, (job_id, run_dir) in jobs.items():
+        assert wait_until_done(job_id) == "COMPLETED", path
+        first, second = segments(run_dir)
+        assert first["outcome"] == "running or lost", "the batch shell of a lost job cannot record its end"
+        resumed = second["first_step"]
+        assert resumed % SAVE_INTERVAL == 0 and lost_at_step[path] - resumed <= SAVE_INTERVAL, (path, resumed, lost_at_step)
+        assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+        assert_bitwise_equal(run_dir, reference)
