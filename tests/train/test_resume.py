@@ -124,6 +124,7 @@ def test_corrupted_newest_checkpoint_is_skipped_and_temp_checkpoint_ignored(runs
     report = tools.exit_report(job.parent)
     assert (report["reason"], report["first_step"], report["last_step"]) == ("completed", 9, STEPS)
     assert not half_written.exists()
+    assert (checkpoints / "corrupt-step-000012").is_dir()  # set aside, so pruning cannot prefer it
     straight = tools.adapter_weights(runs["straight"] / "output")
     again = tools.adapter_weights(job.parent / "output")
     assert all(torch.equal(straight[k], again[k]) for k in straight)

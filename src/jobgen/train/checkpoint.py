@@ -14,7 +14,7 @@ Every rank writes into `.tmp-step-000123`; after a barrier the files are hashed 
 ranks), rank 0 writes the manifest and COMPLETE, fsyncs and renames the directory. A kill at any
 moment leaves a complete checkpoint or a `.tmp-*` directory, which is removed on the next start.
 On start the newest checkpoint whose files match its manifest is used; one that does not is
-skipped with a warning. Directories are assumed to be on a file system every rank sees.
+skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or pruned). Directories are assumed to be on a file system every rank sees.
 """
 
 from __future__ import annotations
@@ -79,7 +79,12 @@ class CheckpointStore:
                     state = json.load(handle)
                 return Found(path, manifest, state)
             if self.dist.is_main:
-                log.warning("skipping checkpoint %s: %s", path, problem)
+                # Set aside (not deleted: evidence), so pruning never keeps it over newer good ones.
+                aside = os.path.join(self.root, "corrupt-" + os.path.basename(path))
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(path, aside)
+                log.warning("skipping checkpoint %s: %s (moved to %s)", path, problem, aside)
+            self.dist.barrier()
         return None
 
     def _complete_dirs(self) -> list[str]:
@@ -97,8 +102,9 @@ class CheckpointStore:
         try:
             with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
                 files = json.load(handle)["files"]
-            assert isinstance(files, dict) and files
-        except (OSError, ValueError, KeyError, AssertionError):
+            if not isinstance(files, dict) or not files:
+                files = None
+        except (OSError, ValueError, KeyError, TypeError):
             files = None
         problems = self._hash_spread(path, sorted(files) if files else [], expected=files)
         if files is None:
