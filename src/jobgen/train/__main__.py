@@ -84,7 +84,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         report.signal = report.signal or stop.signal_name
         if rank == 0 and os.path.isdir(run_dir):
             write_exit_report(run_dir, report)
-    sys.exit(code)
+    # Everything is written and the process group is gone. Interpreter finalization can still
+    # abort (SIGABRT) in gloo's worker threads, seen on a non-zero rank at the end of a complete
+    # run, and torchrun then holds the other nodes in its exit barrier for 300 s: skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
