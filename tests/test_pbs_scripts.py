@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,22 +121,36 @@ def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_submits_its_co
     subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
     job = {
         "name": "pbs-walltime",
-        # 2 minutes of walltime with the warning 30 s before it: the script's own timer fires at
-        # 90 s, after start-up (25 s here, up to 60 s on a loaded machine) and before the 40 steps
-        # of 2 s are done.
-        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:02:00"},
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:30:00"},
         "launch": {"procs_per_node": 1},
         "training": {"model": str(tmp_path / "tiny/model"), "data": str(tmp_path / "tiny/data.json"), "method": "lora",
                      "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "epochs": 5, "max_steps": 40,
                      "save_interval": 100},
-        "requeue": {"warning_seconds": 30, "max_restarts": 3},
+        "requeue": {"warning_seconds": 60, "max_restarts": 3},
     }
-    result = run_pbs_script(tmp_path, "pbs", job, ["127.0.0.1", "127.0.0.1"], {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "2"})
-    assert result.returncode == 0, result.stdout + result.stderr
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    script = tmp_path / "job.pbs.sh"
+    assert jobgen("render", "-s", "pbs", str(config), "-o", str(script)).returncode == 0
+    # PBS has no --signal: the script's own timer sends it USR1 at walltime - warning (1740 s here).
+    assert "( sleep 1740 && kill -USR1 $$ ) &" in script.read_text()
+    (tmp_path / "nodefile").write_text("127.0.0.1\n127.0.0.1\n")
+    env = {**os.environ, **fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "2", "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path)}
+    batch = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "runs" / "pbs-walltime"
+    metrics = run_dir / "output" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline and batch.poll() is None, "training never reached step 2"
+        time.sleep(0.5)
+    batch.send_signal(signal.SIGUSR1)  # what the timer does
+    stdout, stderr = batch.communicate(timeout=240)
+
+    assert batch.returncode == 0, stdout + stderr
     end = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
-    assert end["outcome"] == "time_limit" and 0 < end["last_step"] < 40
+    assert end["outcome"] == "time_limit" and 2 <= end["last_step"] < 40
     assert (run_dir / "output" / "checkpoints" / f"step-{end['last_step']:06d}" / "COMPLETE").exists()
     qsub = [c for c in Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines() if c.startswith("qsub")]
     assert qsub == [f"qsub -W depend=afterany:123.fakeserver -v JOBGEN_RESTART_COUNT=1 {run_dir}/job.pbs"]
-    assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in result.stdout
+    assert (run_dir / "job.pbs").read_text() == script.read_text(), "the continuation is not this same script"
+    assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in stdout
