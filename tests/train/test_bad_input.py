@@ -124,7 +124,7 @@ def test_missing_data_file_stops_both_ranks_with_one_line(make_job, tools):
     assert "jobgen/train/" not in result.stdout  # no traceback through the trainer
     report = tools.exit_report(job.parent)
     assert report["reason"] == "failed" and "does not exist" in report["message"]
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 120  # no waiting for the process-group timeout (3 min here)
 
 
 def test_missing_model_and_invalid_job_exit_2_without_traceback(make_job, tools):

@@ -49,9 +49,20 @@ def load_tokenizer(model: str) -> Any:
     return tokenizer
 
 
-def load_model(training: Training, precision: str, device: Any) -> Any:
+# transformers reads the ZeRO-3 config through a weak reference; this keeps it alive for the run.
+_zero3_config: Any = None
+
+
+def load_model(training: Training, precision: str, device: Any, ds_config: dict | None = None) -> Any:
+    """The model the method trains. With ZeRO-3 (full and lora), `ds_config` makes from_pretrained
+    partition the weights while loading (deepspeed.zero.Init), so no rank holds the whole model."""
+    global _zero3_config
     from transformers import AutoModelForCausalLM
 
+    if ds_config is not None and training.zero_stage == 3 and training.method != "qlora":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _zero3_config = HfDeepSpeedConfig(ds_config)
     dtype = torch_dtype(precision)
     kwargs: dict = {"dtype": dtype}
     if training.method == "qlora":

@@ -164,7 +164,7 @@ class Trainer:
             tokenizer = self.tokenizer = load_tokenizer(t.model)
             chat = ChatTokenizer(tokenizer, t.max_length)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
-            model = load_model(t, self.p.precision, dist.device)
+            model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
         except UserError as exc:
             error = exc
         dist.raise_together(error)
