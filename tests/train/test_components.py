@@ -138,3 +138,12 @@ def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path):
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0, "lr": 0.1}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_stop_file_of_the_batch_shell_is_a_stop_request(tmp_path):
+    from jobgen.train.stop import STOP_FILE, signal_name
+
+    stop = StopRequest(stop_file=str(tmp_path / STOP_FILE))
+    assert not stop.requested
+    (tmp_path / STOP_FILE).touch()
+    assert stop.requested and stop.signal_name == "stop file" and signal_name(stop.signum) == "stop file"
