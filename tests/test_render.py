@@ -72,7 +72,9 @@ def test_hostile_values_reach_the_trainer_intact_with_fake_torchrun(tmp_path: Pa
 
     result = jobgen("render", "--scheduler", "local", str(config), "-o", str(tmp_path / "job.sh"))
     assert result.returncode == 0, result.stderr
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MY_SECRET": SECRET}
+    # The fake torchrun first; jobgen-train (which it never starts) must still be on PATH.
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "MY_SECRET": SECRET}
     run = subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
     assert run.returncode == 0, run.stdout + run.stderr

@@ -252,7 +252,8 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
     for path, (job_id, run_dir) in jobs.items():
         assert wait_until_done(job_id) == "COMPLETED", path
         first, second = segments(run_dir)
-        assert first["outcome"] == "running or lost", "the batch shell of a lost job cannot record its end"
+        # The batch shell is killed with the job, or records the cancel's SIGTERM first.
+        assert first["outcome"] in ("running or lost", "terminated"), path
         resumed = second["first_step"]
         assert lost_at_step[path] - resumed <= SAVE_INTERVAL, (path, resumed, lost_at_step)
         assert (run_dir / "segments.jsonl").read_text().count('"event": "start"') == 2
