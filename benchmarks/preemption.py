@@ -62,7 +62,8 @@ def main() -> None:
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:30:00", "partition": "debug", "exclusive": True},
         "launch": {"procs_per_node": 1},
         "training": {"model": str(work / "tiny/model"), "data": str(work / "tiny/data.json"), "method": "lora",
-                     "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "max_steps": steps, "save_interval": 1000},
+                     "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "epochs": 10, "max_steps": steps,
+                     "save_interval": 1000},
         "requeue": {"max_restarts": args.preemptions + 1, "warning_seconds": 30},
     }
     (work / "job.yaml").write_text(yaml.safe_dump(job))
