@@ -20,7 +20,7 @@ _MEMORY = re.compile(r"^(\d+)\s*([KMGT]?)B?$", re.IGNORECASE)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 def parse_time_limit(text: str) -> int:

@@ -80,7 +80,8 @@ def _bytecode_cache() -> Optional[jinja2.BytecodeCache]:
 
 def job_yaml(job: Job) -> str:
     """The resolved job as the trainer reads it: every layer applied, defaults spelled out."""
-    return yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=1000)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return yaml.dump(job.model_dump(mode="json"), Dumper=dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
 def render(resolved: ResolvedJob, scheduler_name: str) -> str:

@@ -15,6 +15,7 @@ Order of work, the same on every rank:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -90,6 +91,9 @@ def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
+    if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
+        raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
     conversations = load_conversations(resolved.data)
     precision = effective_precision(training.precision, torch.cuda.is_available())
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
