@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 COMMANDS = {
     "python -c pass": [sys.executable, "-c", "pass"],
     "python -c 'import jinja2, pydantic, click, yaml'": [sys.executable, "-c", "import jinja2, pydantic, click, yaml"],
+    # The installed console script, as a user runs it.
     "jobgen render (2-node slurm)": [
-        sys.executable, "-m", "jobgen.cli", "render", "--scheduler", "slurm", str(REPO / "configs/examples/llama-lora-2node.yaml"),
+        str(Path(sys.executable).with_name("jobgen")), "render", "--scheduler", "slurm",
+        str(REPO / "configs/examples/llama-lora-2node.yaml"),
     ],
 }
 

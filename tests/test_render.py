@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jobgen.config import resolve_job
 from jobgen.render import render
-from tests.helpers import REPO, jobgen, node_script_of, shell_findings
+from tests.helpers import jobgen, node_script_of, shell_findings
 
 HOSTILE = [
     "$(touch PWNED)",

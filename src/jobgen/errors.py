@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ValidationError
@@ -56,6 +55,8 @@ def _literal_choices(item: dict[str, Any]) -> list[str]:
 
 
 def _closest(word: str, candidates: Iterable[str]) -> str:
+    import difflib  # only when a value is wrong: not on every command's start-up path
+
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
 

@@ -9,7 +9,6 @@ W(W+1)/2. Rank 0 reports the outcome in trainer-exit.json, as the trainer does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
