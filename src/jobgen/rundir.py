@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from jobgen.errors import JobgenError
 
@@ -99,7 +99,3 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue  # a line cut by a node that died mid-write: the rest still counts
     return entries
 
-
-def find_latest_job_id(run: RunDir) -> Optional[str]:
-    submissions = run.submissions()
-    return submissions[-1]["job_id"] if submissions else None

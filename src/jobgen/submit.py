@@ -38,7 +38,7 @@ def plan(resolved: ResolvedJob, scheduler_name: str) -> Plan:
     run = run_dir_for(resolved)
     script_path = run.script(scheduler.name)
     script = render(resolved, scheduler.name)
-    submission = script if scheduler.name in ("pbs", "torque", "local") else scheduler.submission(resolved.job, script_path, run.path)
+    submission = scheduler.submission(resolved.job, script, script_path, run.path)
     return Plan(run=run, script_path=script_path, script=script, submission=submission)
 
 

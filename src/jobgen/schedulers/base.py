@@ -39,9 +39,10 @@ class Scheduler:
             )
         return chosen
 
-    def submission(self, job: Job, script: Path, run_dir: Path) -> str:
-        """The exact text `submit` hands to the scheduler, for --dry-run and the record."""
-        return script.read_text()
+    def submission(self, job: Job, script_text: str, script: Path, run_dir: Path) -> str:
+        """The exact text `submit` hands to the scheduler (the script itself, unless a scheduler
+        wraps it), for --dry-run and the record; nothing is written or submitted."""
+        return script_text
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         """Submits and returns the job id."""

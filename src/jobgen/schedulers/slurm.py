@@ -76,7 +76,7 @@ class Slurm(Scheduler):
     def _command(script: Path) -> str:
         return f"exec bash {shlex.quote(str(script))}"
 
-    def submission(self, job: Job, script: Path, run_dir: Path) -> str:
+    def submission(self, job: Job, script_text: str, script: Path, run_dir: Path) -> str:
         # The function submitit's executor formats its file with; it needs no Slurm here.
         from submitit.slurm.slurm import _make_sbatch_string
 
