@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from jobgen.errors import JobgenError
 from jobgen.models import Job, _slug
 from jobgen.schedulers.state import JobState
 
@@ -32,8 +33,6 @@ class Scheduler:
     def launcher(self, job: Job) -> str:
         chosen = job.launch.launcher or self.launchers[0]
         if chosen not in self.launchers:
-            from jobgen.errors import JobgenError
-
             raise JobgenError(
                 f"'launch.launcher' is '{chosen}', which {self.name} cannot use; accepted: {', '.join(self.launchers)}"
             )

@@ -24,27 +24,16 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def load_job(path: str):
-    """The validated Job in `path`; UserError with the field at fault otherwise."""
-    import yaml
-    from pydantic import ValidationError
+    """The validated Job in `path`, read as `jobgen validate` reads it; UserError otherwise."""
+    from pathlib import Path
 
-    from jobgen.models import Job
+    from jobgen.config import resolve_job
+    from jobgen.errors import JobgenError
 
-    if not os.path.isfile(path):
-        raise UserError(f"--job: file {path!r} does not exist")
     try:
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a mapping with a 'training' section")
-    try:
-        return Job.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise UserError(f"{path}: {where}: {first['msg']}") from None
+        return resolve_job(Path(path)).job
+    except JobgenError as error:
+        raise UserError(str(error).replace("\n", "; ")) from None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
