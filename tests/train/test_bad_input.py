@@ -141,7 +141,7 @@ def test_missing_model_and_invalid_job_exit_2_without_traceback(make_job, tools)
     job.write_text(yaml.safe_dump(raw))
     result = _run_cli(job, tools)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "training.learning_rat: Extra inputs are not permitted" in result.stderr
+    assert "unknown key 'training.learning_rat' (did you mean 'learning_rate'?)" in result.stderr
 
 
 def test_unknown_lora_target_after_start_fails_every_rank_together(make_job, tools):
