@@ -11,6 +11,7 @@ from typing import Optional
 import click
 
 from jobgen.errors import JobgenError
+from jobgen.startup import skip_startup_costs
 
 SCHEDULER_CHOICES = ["slurm", "pbs", "torque", "local"]
 
@@ -19,6 +20,7 @@ class JobgenGroup(click.Group):
     """Turns a JobgenError anywhere below into one line on stderr and exit status 2."""
 
     def invoke(self, ctx: click.Context):
+        skip_startup_costs()
         try:
             return super().invoke(ctx)
         except JobgenError as error:
