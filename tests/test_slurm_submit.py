@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -186,10 +187,36 @@ def test_status_logs_and_cancel_follow_a_running_job(tmp_path: Path) -> None:
         assert time.time() < deadline, "node 1's log never showed its setup line"
         time.sleep(0.5)
     assert f"jobgen: job {job_id} (restart 0)" in jobgen("logs", job_id).stdout
+    assert_logs_follow(job_id, run_dir / "logs" / f"{job_id}-node1.out")
 
     assert jobgen("cancel", job_id).returncode == 0
     assert wait_until_finished(job_id, 60) == "CANCELLED"
     assert "CANCELLED" in jobgen("status", job_id).stdout
+
+
+def assert_logs_follow(job_id: str, log: Path) -> None:
+    """`jobgen logs -f --node 1` prints node 1's log so far, then what is appended to it."""
+    command = [sys.executable, "-m", "jobgen.cli", "logs", "-f", job_id, "--node", "1"]
+    follower = subprocess.Popen(command, stdout=subprocess.PIPE, env={**os.environ, **ENV})
+    try:
+        assert "node-log-line" in read_until(follower, "node-log-line", 20)
+        with log.open("a") as appended:
+            appended.write("appended-while-following\n")
+        assert "appended-while-following" in read_until(follower, "appended-while-following", 20)
+    finally:
+        follower.kill()
+        follower.wait()
+
+
+def read_until(process: subprocess.Popen, text: str, seconds: float) -> str:
+    seen = ""
+    deadline = time.time() + seconds
+    while text not in seen:
+        assert time.time() < deadline, f"{text!r} never came; got {seen!r}"
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            seen += os.read(process.stdout.fileno(), 65536).decode(errors="replace")
+    return seen
 
 
 def test_a_second_submission_into_a_busy_run_directory_is_refused(tmp_path: Path) -> None:
