@@ -154,3 +154,25 @@ def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_submits_its_co
     assert qsub == [f"qsub -W depend=afterany:123.fakeserver -v JOBGEN_RESTART_COUNT=1 {run_dir}/job.pbs"]
     assert (run_dir / "job.pbs").read_text() == script.read_text(), "the continuation is not this same script"
     assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in stdout
+
+
+def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_stops(tmp_path: Path, fake_pbs) -> None:
+    # A continuation (restart 1, passed by qsub -v) that the server then reruns twice under the
+    # same job id, as it does after a preemption; the bound is 2 restarts.
+    job = probe_job(2, 1)
+    job["requeue"] = {"max_restarts": 2}
+    env = {**fake_pbs, "JOBGEN_RESTART_COUNT": "1"}
+    runs = [run_pbs_script(tmp_path, "pbs", job, ["127.0.0.1", "127.0.0.1"], env) for _ in range(3)]
+
+    assert [run.returncode for run in runs] == [0, 0, 1], runs[2].stderr
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"], e["outcome"]) for e in events] == [
+        ("start", 1, ""), ("end", 1, "completed"),
+        ("start", 2, ""), ("end", 2, "completed"),
+        ("start", 3, ""), ("end", 3, "restarts_exhausted"),
+    ]
+    assert "not started: this is restart 3 of the job, and requeue.max_restarts is 2" in runs[2].stderr
+    # The third run started no node task: two pbsdsh calls per run, for the first two only.
+    assert len(Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines()) == 4
+    assert "restarts_exhausted" in jobgen("status", str(run_dir)).stdout

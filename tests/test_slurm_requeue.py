@@ -269,3 +269,38 @@ def test_a_job_that_fails_for_another_reason_is_not_requeued(tmp_path: Path, tin
         assert [s["outcome"] for s in segments(run_dir)] == ["failed"], path
         node_log = (run_dir / "logs" / f"{job_id}-node0.out").read_text()
         assert "jobgen-train: error:" in node_log and "missing.json" in node_log, path
+
+
+def test_a_job_slurm_requeues_by_itself_past_max_restarts_does_not_start_again(tmp_path: Path) -> None:
+    """Slurm requeues a job without asking it (a lost node, `scontrol requeue`): the bound holds too.
+
+    The job (a probe whose nodes then sleep) allows no restart; requeued once, its next start must
+    stop before any node runs and end FAILED with the reason.
+    """
+    jobs = {}
+    for path in PATHS:
+        folder = tmp_path / path
+        folder.mkdir()
+        config = folder / "job.yaml"
+        config.write_text(yaml.safe_dump({
+            "name": "jobgen-test-bound-slurm",
+            "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00", "partition": "debug", "exclusive": True},
+            "launch": {"procs_per_node": 1, "entrypoint": "jobgen-probe"},
+            "environment": {"setup": ['echo ran >> "$JOBGEN_RUN_DIR/node-$NODE_RANK-started"', "sleep 300"]},
+            "training": {"model": "unused", "data": "unused"},
+            "requeue": {"max_restarts": 0},
+        }))
+        jobs[path] = (submit(path, config, step_delay=0), folder / "runs" / "jobgen-test-bound-slurm")
+    for job_id, run_dir in jobs.values():
+        wait_for(lambda: (run_dir / "node-1-started").exists(), f"job {job_id}'s nodes to start")
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+    for job_id, _ in jobs.values():
+        release_when_requeued(job_id, restarts=1)
+    for path, (job_id, run_dir) in jobs.items():
+        assert wait_until_done(job_id) == "FAILED", path
+        last = segments(run_dir)[-1]
+        assert (last["restart"], last["outcome"]) == (1, "restarts_exhausted"), path
+        log = jobgen("logs", str(run_dir)).stdout if path == "jobgen-submit" else (run_dir.parent.parent / f"jobgen-test-bound-slurm-{job_id}.out").read_text()
+        assert "not started: this is restart 1 of the job, and requeue.max_restarts is 0" in log, path
+        for node in (0, 1):
+            assert (run_dir / f"node-{node}-started").read_text() == "ran\n", "a node started again past the bound"
