@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Optional
 
+from jobgen.commands import require, run
 from jobgen.errors import JobgenError
 from jobgen.models import Job
 from jobgen.schedulers.base import Scheduler, hms, memory_text
@@ -45,8 +47,6 @@ class PbsPro(Scheduler):
         return [f"{key} has no {self.name} equivalent and is not used" for key in unused]
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
-        from jobgen.commands import require, run  # not on render's start-up path
-
         require("qsub", self.name)
         job_id = run(["qsub", str(script)], f"{self.name} refused the job").strip()
         if not job_id:
@@ -54,9 +54,6 @@ class PbsPro(Scheduler):
         return job_id
 
     def state(self, job_id: str) -> Optional[JobState]:
-        from jobgen.commands import require  # not on render's start-up path
-        import subprocess
-
         require("qstat", self.name)
         # -x also shows finished jobs where the server keeps history (PBS Pro).
         for argv in (["qstat", "-f", "-x", job_id], ["qstat", "-f", job_id]):
@@ -76,8 +73,6 @@ class PbsPro(Scheduler):
         return None
 
     def cancel(self, job_id: str) -> None:
-        from jobgen.commands import require, run  # not on render's start-up path
-
         require("qdel", self.name)
         run(["qdel", job_id], f"qdel {job_id}")
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Optional
 
+from jobgen.commands import require, run, scheduler_message
 from jobgen.errors import JobgenError
 from jobgen.models import Job
 from jobgen.schedulers.base import Scheduler, memory_text
@@ -83,8 +85,6 @@ class Slurm(Scheduler):
         return _make_sbatch_string(command=self._command(script), **self._submitit_settings(job, run_dir))
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
-        from jobgen.commands import require  # not on render's start-up path
-
         require("sbatch", "Slurm")
         import submitit
 
@@ -101,9 +101,6 @@ class Slurm(Scheduler):
         return str(submitted.job_id)
 
     def state(self, job_id: str) -> Optional[JobState]:
-        from jobgen.commands import require  # not on render's start-up path
-        import subprocess
-
         require("scontrol", "Slurm")
         result = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
         if result.returncode == 0 and result.stdout.strip():
@@ -127,14 +124,10 @@ class Slurm(Scheduler):
         return None
 
     def cancel(self, job_id: str) -> None:
-        from jobgen.commands import require, run  # not on render's start-up path
-
         require("scancel", "Slurm")
         run(["scancel", job_id], f"scancel {job_id}")
 
 
 def _sbatch_reason(text: str) -> str:
-    from jobgen.commands import scheduler_message
-
     errors = [line.split("error:", 1)[1].strip() for line in text.splitlines() if "sbatch: error:" in line]
     return "; ".join(errors) if errors else scheduler_message(text)

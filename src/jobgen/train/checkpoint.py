@@ -14,7 +14,8 @@ Every rank writes into `.tmp-step-000123`; after a barrier the files are hashed 
 ranks), rank 0 writes the manifest and COMPLETE, fsyncs and renames the directory. A kill at any
 moment leaves a complete checkpoint or a `.tmp-*` directory, which is removed on the next start.
 On start the newest checkpoint whose files match its manifest is used; one that does not is
-skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or pruned). Directories are assumed to be on a file system every rank sees.
+skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or
+pruned). Directories are assumed to be on a file system every rank sees.
 """
 
 from __future__ import annotations
