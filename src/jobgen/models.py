@@ -17,6 +17,20 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 SCHEDULER_NAME = r"^[A-Za-z0-9_.@%+:/-]+$"
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
 _MEMORY = re.compile(r"^(\d+)\s*([KMGT]?)B?$", re.IGNORECASE)
+# A PBS chunk resource value: ':', ',', '=' and spaces would split the select line, and the
+# header is written unquoted, so shell characters are out too.
+_CHUNK_VALUE = re.compile(r"^[A-Za-z0-9_.+@%/-]+$")
+# Chunk resources jobgen writes itself, and what to do instead.
+JOBGEN_CHUNK_RESOURCES = {
+    "select": "set resources.nodes instead",
+    "nodes": "set resources.nodes instead",
+    "ncpus": "set resources.cpus_per_node instead",
+    "ppn": "set resources.cpus_per_node instead",
+    "ngpus": "set resources.gpus_per_node instead",
+    "gpus": "set resources.gpus_per_node instead",
+    "mem": "set resources.memory_per_node instead",
+    "mpiprocs": "one per chunk, so the nodefile lists each node once",
+}
 
 
 class _Strict(BaseModel):
@@ -61,6 +75,30 @@ class Resources(_Strict):
     qos: Optional[str] = Field(None, pattern=SCHEDULER_NAME)
     constraint: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.&|\[\]()*:-]+$")
     exclusive: bool = False
+    chunk_resources: dict[str, bool | int | str] = Field(
+        default_factory=dict,
+        description=(
+            "site resources every node's chunk needs, e.g. {ompthreads: 8, bigmem: true}: PBS Pro adds them "
+            "to the one '-l select' line (NAME=VALUE), Torque adds each NAME: true to 'nodes=' as a node "
+            "property and warns about the rest; Slurm has no chunks and warns (use constraint there)"
+        ),
+    )
+
+    @field_validator("chunk_resources", mode="before")
+    @classmethod
+    def _chunk_resources_are_pbs_words(cls, value: object) -> object:
+        # Before the type check, so a wrong value gets this one line rather than one per union member.
+        for name, item in value.items() if isinstance(value, dict) else ():
+            if not re.match(ENV_NAME, str(name)):
+                raise ValueError(f"{name!r} is not a resource name (letters, digits, _; not starting with a digit)")
+            if str(name).lower() in JOBGEN_CHUNK_RESOURCES:
+                raise ValueError(f"{name!r} is set by jobgen: {JOBGEN_CHUNK_RESOURCES[str(name).lower()]}")
+            if not isinstance(item, (bool, int, str)) or (isinstance(item, str) and not _CHUNK_VALUE.match(item)):
+                raise ValueError(
+                    f"{name}: {item!r} must be true/false, a whole number or a word of letters, digits and "
+                    "_.+@%/- (':', ',', '=' and spaces would split the select line)"
+                )
+        return value
 
     @field_validator("time_limit")
     @classmethod

@@ -9,8 +9,11 @@ from typing import Optional
 from jobgen.commands import require, run
 from jobgen.errors import JobgenError
 from jobgen.models import Job
-from jobgen.schedulers.base import Scheduler, hms, memory_text
+from jobgen.schedulers.base import Scheduler, directive_options, hms, memory_text
 from jobgen.schedulers.state import JobState
+
+# The option key of the line that asks for nodes: `-l select=...` (PBS Pro), `-l nodes=...` (Torque).
+CHUNK_REQUEST = "-l select"
 
 
 class PbsPro(Scheduler):
@@ -18,6 +21,20 @@ class PbsPro(Scheduler):
     template = "pbs.sh.j2"
     launchers = ("pbsdsh", "pbs_tmrsh", "ssh", "mpiexec")
     directive_prefix = "#PBS"
+    option_fixes = {
+        "-N": "set name in the job file instead",
+        CHUNK_REQUEST: "put chunk resources in resources.chunk_resources",
+        "-l ncpus": "set resources.cpus_per_node instead",
+        "-l ngpus": "set resources.gpus_per_node instead",
+        "-l mem": "set resources.memory_per_node instead",
+        "-l place": "remove it: jobgen places one chunk per host (resources.exclusive asks for whole hosts)",
+        "-l walltime": "set resources.time_limit instead",
+        "-q": "set resources.partition instead",
+        "-A": "set resources.account instead",
+        "-r": "set requeue.enabled instead",
+        "-j": "remove it: jobgen joins stdout and stderr in one batch log",
+        "-v": "name the variables in environment.secrets instead",
+    }
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
@@ -28,7 +45,8 @@ class PbsPro(Scheduler):
             chunk.append(f"mem={memory_text(res.memory_mb, 'gb', 'mb')}")
         # mpiprocs=1: one nodefile line per chunk, so the nodefile lists the nodes in rank order.
         chunk.append("mpiprocs=1")
-        # PBS honours the first -l select only, so everything per chunk goes in this one line.
+        # PBS honours the first -l select only, so everything per chunk, the site's too, goes in this one line.
+        chunk += [f"{name}={_chunk_value(value)}" for name, value in res.chunk_resources.items()]
         options = [f"-N {self.job_name(job)}", f"-l {':'.join(chunk)}"]
         options.append("-l place=scatter:excl" if res.exclusive else "-l place=scatter")
         options.append(f"-l walltime={hms(res.time_limit_seconds)}")
@@ -41,6 +59,22 @@ class PbsPro(Scheduler):
         if job.environment.secrets:
             options.append(f"-v {','.join(job.environment.secrets)}")
         return options
+
+    def option_keys(self, line: str) -> list[str]:
+        """`-X` per option; `-l NAME` per resource and `-W NAME` per attribute, as both list several."""
+        keys = []
+        for flag, value in directive_options(line):
+            if flag in ("-l", "-W"):
+                keys += [key for item in value.split(",") for key in _resource_keys(flag, item)]
+            else:
+                keys.append(flag)
+        return keys
+
+    def conflict_fix(self, key: str) -> str:
+        # Any other `-l NAME` jobgen generates is a resource of the one chunk line.
+        if key not in self.option_fixes and key.startswith("-l "):
+            return self.option_fixes[CHUNK_REQUEST]
+        return super().conflict_fix(key)
 
     def warnings(self, job: Job) -> list[str]:
         unused = [f"resources.{key}" for key in ("qos", "constraint") if getattr(job.resources, key)]
@@ -75,6 +109,19 @@ class PbsPro(Scheduler):
     def cancel(self, job_id: str) -> None:
         require("qdel", self.name)
         run(["qdel", job_id], f"qdel {job_id}")
+
+
+def _chunk_value(value: bool | int | str) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _resource_keys(flag: str, item: str) -> list[str]:
+    name, _, value = item.partition("=")
+    if flag == "-l" and name in ("select", "nodes"):
+        # One chunk request however it is spelled (PBS Pro turns `nodes=` into a select), and each
+        # resource in it: a job-wide `-l mem` beside a select that has mem asks twice.
+        return [CHUNK_REQUEST] + [f"-l {part.partition('=')[0]}" for part in value.split(":") if "=" in part]
+    return [f"{flag} {name}"]
 
 
 def _qstat_fields(text: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Optional
 from jobgen.commands import require, run, scheduler_message
 from jobgen.errors import JobgenError
 from jobgen.models import Job
-from jobgen.schedulers.base import Scheduler, memory_text
+from jobgen.schedulers.base import Scheduler, directive_options, memory_text
 from jobgen.schedulers.state import JobState, parse_key_values
 
 
@@ -21,6 +21,24 @@ class Slurm(Scheduler):
     template = "slurm.sh.j2"
     launchers = ("srun",)
     directive_prefix = "#SBATCH"
+    option_fixes = {
+        "job-name": "set name in the job file instead",
+        "nodes": "set resources.nodes instead",
+        "ntasks-per-node": "remove it: jobgen starts one task per node, and torchrun launch.procs_per_node ranks in it",
+        "cpus-per-task": "set resources.cpus_per_node instead",
+        "gpus": "set resources.gpus_per_node instead",
+        "mem": "set resources.memory_per_node instead",
+        "time": "set resources.time_limit instead",
+        "partition": "set resources.partition instead",
+        "account": "set resources.account instead",
+        "qos": "set resources.qos instead",
+        "constraint": "set resources.constraint instead",
+        "exclusive": "set resources.exclusive instead",
+        "requeue": "set requeue.enabled instead",
+        "signal": "set requeue.signal and requeue.warning_seconds instead",
+        "open-mode": "remove it: jobgen appends every requeued segment to one batch log",
+        "output": "remove it: jobgen appends every requeued segment to one batch log",
+    }
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
@@ -51,6 +69,25 @@ class Slurm(Scheduler):
         # Append, so the log of a requeued job keeps every segment.
         options += ["--open-mode=append", "--output=%x-%j.out"]
         return options
+
+    def option_keys(self, line: str) -> list[str]:
+        """The generated option each option sets (`-p`, `--part` and `--partition` all set
+        `partition`); a GPU request by any name is `gpus`; other options keep their own name."""
+        keys = []
+        for flag, value in directive_options(line):
+            key = _long_option(flag[2:]) if flag.startswith("--") else _SHORT_OPTIONS.get(flag[1:], flag)
+            if key == "gres" and any(item.split(":")[0].removeprefix("gres/") == "gpu" for item in value.split(",")):
+                key = "gpus"
+            keys.append(key)
+        return keys
+
+    def warnings(self, job: Job) -> list[str]:
+        if job.resources.chunk_resources:
+            return [
+                "resources.chunk_resources has no slurm equivalent and is not used: Slurm has no chunks "
+                "(node features go in resources.constraint)"
+            ]
+        return []
 
     # Submission goes through submitit, with the header options above as its parameters; the
     # batch shell then execs the very script `jobgen render` prints, so a script submitted by
@@ -126,6 +163,37 @@ class Slurm(Scheduler):
     def cancel(self, job_id: str) -> None:
         require("scancel", "Slurm")
         run(["scancel", job_id], f"scancel {job_id}")
+
+
+# sbatch's spellings of what the generated options set, by the generated option's key.
+_LONG_OPTIONS = {
+    **{name: name for name in (
+        "job-name nodes ntasks-per-node cpus-per-task mem time partition account qos constraint exclusive requeue "
+        "signal open-mode output"
+    ).split()},
+    "ntasks": "ntasks-per-node",
+    "tasks-per-node": "ntasks-per-node",
+    "gpus": "gpus",
+    "gpus-per-node": "gpus",
+    "gpus-per-task": "gpus",
+    "gpus-per-socket": "gpus",
+    "mem-per-cpu": "mem",
+    "mem-per-gpu": "mem",
+    "no-requeue": "requeue",
+}
+_SHORT_OPTIONS = {
+    "J": "job-name", "N": "nodes", "n": "ntasks-per-node", "c": "cpus-per-task", "G": "gpus", "t": "time",
+    "p": "partition", "A": "account", "q": "qos", "C": "constraint", "o": "output",
+}
+
+
+def _long_option(name: str) -> str:
+    if name in _LONG_OPTIONS:
+        return _LONG_OPTIONS[name]
+    # sbatch takes any unambiguous prefix of a long option (`--part=gpu`). Every name above is
+    # sbatch's own: a prefix it shares with an option not listed is ambiguous, and sbatch refuses it.
+    keys = {key for option, key in _LONG_OPTIONS.items() if option.startswith(name)}
+    return keys.pop() if len(keys) == 1 and name else name
 
 
 def _sbatch_reason(text: str) -> str:

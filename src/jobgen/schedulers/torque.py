@@ -1,4 +1,8 @@
-"""Torque: `nodes=N:ppn=C`; its nodefile lists each host ppn times, so ranks go per unique host."""
+"""Torque: `nodes=N:ppn=C`; its nodefile lists each host ppn times, so ranks go per unique host.
+
+Torque's `nodes=` takes `ppn=`, `gpus=` and bare node properties, no other NAME=VALUE: a chunk
+resource set to true becomes a property (`nodes=2:ppn=8:bigmem`), any other is warned about.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,14 @@ class Torque(PbsPro):
     name = "torque"
     template = "torque.sh.j2"
     launchers = ("pbsdsh", "ssh", "mpiexec")
+    option_fixes = {**PbsPro.option_fixes, "-n": "set resources.exclusive instead"}
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
         nodes = f"nodes={res.nodes}:ppn={res.cpus_per_node or job.procs_per_node}"
         if res.gpus_per_node:
             nodes += f":gpus={res.gpus_per_node}"
+        nodes += "".join(f":{name}" for name, value in res.chunk_resources.items() if value is True)
         options = [f"-N {self.job_name(job)}", f"-l {nodes}", f"-l walltime={hms(res.time_limit_seconds)}"]
         if res.memory_mb:
             options.append(f"-l mem={memory_text(res.memory_mb * res.nodes, 'gb', 'mb')}")
@@ -31,3 +37,11 @@ class Torque(PbsPro):
         if job.environment.secrets:
             options.append(f"-v {','.join(job.environment.secrets)}")
         return options
+
+    def warnings(self, job: Job) -> list[str]:
+        unused = [name for name, value in job.resources.chunk_resources.items() if value is not True]
+        return super().warnings(job) + [
+            f"resources.chunk_resources.{name} has no torque nodes= equivalent and is not used: "
+            "Torque takes node properties only, given as NAME: true"
+            for name in unused
+        ]
