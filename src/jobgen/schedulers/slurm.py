@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import shlex
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from jobgen.commands import require, run, scheduler_message
 from jobgen.errors import JobgenError
 from jobgen.models import Job
 from jobgen.schedulers.base import Scheduler, directive_options, memory_text
 from jobgen.schedulers.state import JobState, parse_key_values
+
+if TYPE_CHECKING:  # imported when submitting only: render's start-up stays without it
+    import submitit
 
 
 class Slurm(Scheduler):
@@ -89,51 +91,17 @@ class Slurm(Scheduler):
             ]
         return []
 
-    # Submission goes through submitit, with the header options above as its parameters; the
-    # batch shell then execs the very script `jobgen render` prints, so a script submitted by
-    # hand with sbatch and a `jobgen submit` start the same processes with the same variables.
-    # (Running the script under submitit's Python process instead would leave an untrapped
-    # batch shell, which the B: warning signal kills.)
-    def _submitit_settings(self, job: Job, run_dir: Path) -> dict[str, object]:
-        return {
-            "folder": run_dir / "submitit",
-            "use_srun": False,
-            "stderr_to_stdout": True,
-            "additional_parameters": self._submitit_parameters(job),
-        }
-
-    def _submitit_parameters(self, job: Job) -> dict[str, object]:
-        parameters: dict[str, object] = {}
-        for option in self.options(job):
-            key, sep, value = option.removeprefix("--").partition("=")
-            if key in ("output", "open-mode"):
-                continue  # submitit names its own log files and appends already
-            parameters[key.replace("-", "_")] = value if sep else True
-        return parameters
-
-    @staticmethod
-    def _command(script: Path) -> str:
-        return f"exec bash {shlex.quote(str(script))}"
-
-    def submission(self, job: Job, script_text: str, script: Path, run_dir: Path) -> str:
-        # The function submitit's executor formats its file with; it needs no Slurm here.
-        from submitit.slurm.slurm import _make_sbatch_string
-
-        return _make_sbatch_string(command=self._command(script), **self._submitit_settings(job, run_dir))
-
+    # `submission()` is the base class's: the rendered script itself, which is what sbatch gets.
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         require("sbatch", "Slurm")
-        import submitit
+        from submitit.core.utils import FailedJobError
 
-        settings = self._submitit_settings(job, run_dir)
-        executor = submitit.SlurmExecutor(folder=settings.pop("folder"))
-        executor.update_parameters(**settings)
-        executor.folder.mkdir(parents=True, exist_ok=True)
+        executor = _rendered_script_executor(script.read_text(), run_dir / "submitit")
         try:
             # submitit prints sbatch's refusal itself; the user gets it once, in one line, below.
             with contextlib.redirect_stderr(io.StringIO()):
-                submitted = executor._submit_command(self._command(script))
-        except Exception as error:  # submitit wraps sbatch's refusal; keep only Slurm's words
+                submitted = executor._submit_command("")  # no command: the file is the script
+        except FailedJobError as error:  # sbatch's refusal, with Slurm's words in it
             raise JobgenError(f"Slurm refused the job: {_sbatch_reason(str(error))}") from None
         return str(submitted.job_id)
 
@@ -163,6 +131,26 @@ class Slurm(Scheduler):
     def cancel(self, job_id: str) -> None:
         require("scancel", "Slurm")
         run(["scancel", job_id], f"scancel {job_id}")
+
+
+def _rendered_script_executor(script_text: str, folder: Path) -> submitit.SlurmExecutor:
+    """A submitit executor whose sbatch file is `script_text`, unchanged: submitit's own header
+    (its --output, --wckey=submitit, no site directives) would differ from what was reviewed.
+
+    sbatch runs in this process's directory, as a hand `sbatch` does, so `--output=%x-%j.out`
+    lands in the same place on both paths. Relies on submitit's `_submit_command` writing
+    `_make_submission_file_text` to the file it runs sbatch on (pyproject pins the range checked;
+    tests/test_submitted_script.py fails if it stops).
+    """
+    import submitit
+
+    class RenderedScriptExecutor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script_text
+
+    executor = RenderedScriptExecutor(folder=folder)
+    executor.folder.mkdir(parents=True, exist_ok=True)
+    return executor
 
 
 # sbatch's spellings of what the generated options set, by the generated option's key.
