@@ -59,6 +59,14 @@ def _resolve(config: Path, site: Optional[str], overrides: tuple[str, ...]):
     return resolved
 
 
+def _check_files(job) -> None:
+    """validate and submit, not render: a script may be rendered for a machine this is not."""
+    from jobgen.preflight import check_job_files
+
+    for warning in check_job_files(job):
+        click.echo(f"jobgen: warning: {warning}", err=True)
+
+
 @main.command()
 @config_argument
 @scheduler_option
@@ -88,8 +96,9 @@ def render(config: Path, scheduler: str, site: Optional[str], overrides: tuple[s
 @site_option
 @set_option
 def validate(config: Path, site: Optional[str], overrides: tuple[str, ...]) -> None:
-    """Check CONFIG and show the derived values (world size, global batch)."""
+    """Check CONFIG and the files it names, and show the derived values (world size, global batch)."""
     job = _resolve(config, site, overrides).job
+    _check_files(job)
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
         f"{job.world_size} ({job.backend}); global batch {job.global_batch}; {job.training.method}, "
@@ -118,11 +127,13 @@ def submit(config: Path, scheduler: str, site: Optional[str], overrides: tuple[s
     Makes the run directory (the job's run_dir, runs/NAME by default) holding the resolved job,
     the exact script and submission text, and a record of every submission. On Slurm the job
     goes through submitit; on PBS and Torque through qsub; `--scheduler local` runs it here, in
-    the foreground, with each node a local process.
+    the foreground, with each node a local process. First, as `validate` does, checks the files
+    the job names where this machine can see them.
     """
     from jobgen import submit as submission
 
     resolved = _resolve(config, site, overrides)
+    _check_files(resolved.job)
     if dry_run:
         planned = submission.plan(resolved, scheduler)
         click.echo(f"# run directory: {planned.run.path}", err=True)

@@ -25,9 +25,14 @@ from pydantic import ValidationError
 from jobgen.errors import JobgenError, describe_validation_error
 from jobgen.models import Job
 from jobgen.resources import bundled_path
+from jobgen.textfile import not_utf8_message
 
 # libyaml's loader where PyYAML has it: the same safe subset, faster on the CLI's start-up path.
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# A job is three levels deep and a few dozen values; these bounds only stop a file that would
+# make validating it hang (YAML aliases that expand to millions of values, or nest forever).
+MAX_DEPTH = 32
+MAX_VALUES = 10_000
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,18 @@ def load_site(name: Optional[str]) -> SiteProfile:
     data = _read_yaml(path)
     unknown = set(data) - {"defaults", "templates", "description"}
     if unknown:
-        raise JobgenError(f"{path}: unknown key '{sorted(unknown)[0]}' in site profile; known keys: defaults, templates, description")
+        first = min(str(key) for key in unknown)  # YAML keys may be numbers or null too
+        raise JobgenError(f"{path}: unknown key '{first}' in site profile; known keys: defaults, templates, description")
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise JobgenError(f"{path}: 'defaults' must be a mapping of job keys")
     template_dir = None
-    if data.get("templates"):
-        template_dir = (path.parent / str(data["templates"])).resolve()
-        if not template_dir.is_dir():
+    templates = data.get("templates")
+    if templates is not None and (not isinstance(templates, str) or "\0" in templates):
+        raise JobgenError(f"{path}: 'templates' is {templates!r:.80}; expected the name of a folder, relative to the profile")
+    if templates:
+        template_dir = (path.parent / templates).resolve()
+        if not os.path.isdir(template_dir):  # False, not an error, for a name too long to exist
             raise JobgenError(f"{path}: 'templates' folder {template_dir} does not exist")
     return SiteProfile(name=name, path=path, defaults=defaults, template_dir=template_dir)
 
@@ -106,9 +115,10 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if not sep or not key.strip():
         raise JobgenError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set resources.nodes=4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = parse_yaml(raw) if raw.strip() else ""
+    except ValueError:
+        value = raw  # not YAML: the text itself, which validation then accepts or names
+    check_shape(value, f"--set {key.strip()}")
     parts = key.strip().split(".")
     target = data
     for part in parts[:-1]:
@@ -148,20 +158,71 @@ def job_warnings(job: Job) -> list[str]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise JobgenError(f"{path}: no such file") from None
     except OSError as error:
         raise JobgenError(f"{path}: cannot read: {error.strerror}") from None
     try:
-        data = yaml.load(text, Loader=SafeLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "not valid YAML"
-        raise JobgenError(f"{path}: invalid YAML{where}: {problem}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JobgenError(f"{path}: {not_utf8_message(raw)}") from None
+    try:
+        data = parse_yaml(text)
+    except ValueError as error:
+        raise JobgenError(f"{path}: {error}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise JobgenError(f"{path}: expected a mapping of keys (resources:, training:, ...), found {type(data).__name__}")
+    check_shape(data, str(path))
     return data
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` as YAML (the safe subset); ValueError with one line saying where and what is wrong."""
+    try:
+        return yaml.load(text, Loader=SafeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"invalid YAML{where}: {error.problem or error.context or 'not valid YAML'}") from None
+    except yaml.reader.ReaderError as error:
+        raise ValueError(_unacceptable_character(text, error.character)) from None
+    except yaml.YAMLError:
+        raise ValueError("invalid YAML") from None
+    except RecursionError:
+        raise ValueError(f"invalid YAML: nested more than {MAX_DEPTH} levels deep") from None
+    except Exception as error:  # noqa: BLE001 - a tag's constructor (int, date, binary) fails in its own way
+        reason = str(error).split(";")[0].splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"invalid YAML: a value cannot be read: {reason}") from None
+
+
+def _unacceptable_character(text: str, character: int) -> str:
+    # libyaml reports a byte offset and PyYAML a character offset; the first such character is
+    # the one both stopped at.
+    index = text.find(chr(character))
+    line = text.count("\n", 0, index) + 1
+    column = index - (text.rfind("\n", 0, index) + 1) + 1
+    return f"invalid YAML: character U+{character:04X} at line {line}, column {column} is not allowed in YAML text"
+
+
+def check_shape(value: Any, where: str) -> None:
+    """Refuse what no job has and what would make validating it hang or its messages unreadable:
+    aliases that expand to millions of values (`a: &a [x, x]`, `b: [*a, *a]`, ...), a value that
+    contains itself, nesting deeper than any job's, a key with a line break or control character."""
+    stack, count = [(value, 1)], 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise JobgenError(f"{where}: more than {MAX_VALUES} values once YAML aliases are expanded; a job has a few dozen")
+        if depth > MAX_DEPTH:
+            raise JobgenError(f"{where}: nested more than {MAX_DEPTH} levels deep (or a YAML alias that contains itself)")
+        if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not key.isprintable():
+                    raise JobgenError(f"{where}: key {key!r} has a character that is not printable; keys are names like 'nodes'")
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Optional
 
 import jinja2
@@ -20,6 +21,7 @@ from jobgen.errors import JobgenError
 from jobgen.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
 from jobgen.schedulers import get_scheduler
+from jobgen.textfile import file_not_utf8_message
 
 JOB_YAML_END = "JOBGEN_JOB_YAML"
 NODE_SCRIPT_END = "JOBGEN_NODE_SCRIPT"
@@ -49,7 +51,7 @@ def template_environment(override_dir: Optional[Path] = None) -> jinja2.Environm
     bundled = jinja2.FileSystemLoader(str(bundled_path("templates")))
     loaders: list[jinja2.BaseLoader] = []
     if override_dir:
-        loaders.append(jinja2.FileSystemLoader(str(override_dir)))
+        loaders.append(_OverrideLoader(str(override_dir)))
     loaders += [bundled, jinja2.PrefixLoader({"bundled": bundled})]
     env = jinja2.Environment(
         loader=jinja2.ChoiceLoader(loaders),
@@ -69,6 +71,17 @@ def template_environment(override_dir: Optional[Path] = None) -> jinja2.Environm
     env.filters["raw"] = Raw
     env.filters["comment"] = as_comment
     return env
+
+
+class _OverrideLoader(jinja2.FileSystemLoader):
+    """A site's folder of overrides: a file that is not UTF-8 is named with its first bad byte."""
+
+    def get_source(self, environment: jinja2.Environment, template: str):
+        try:
+            return super().get_source(environment, template)
+        except UnicodeDecodeError:
+            path = Path(self.searchpath[0], *template.split("/"))
+            raise JobgenError(f"template {path}: {file_not_utf8_message(path)}") from None
 
 
 def _bytecode_cache() -> Optional[jinja2.BytecodeCache]:
@@ -101,14 +114,45 @@ def render(resolved: ResolvedJob, scheduler_name: str) -> str:
         "node_script_end": Raw(NODE_SCRIPT_END),
         "warnings": resolved.warnings + scheduler.warnings(job),
     }
-    node_script = env.get_template("node.sh.j2").render(context)
+    node_script = _render_template(env, "node.sh.j2", context)
     context["node_script"] = Raw(node_script)
     _check_heredoc(context["job_yaml"], JOB_YAML_END)
     _check_heredoc(node_script, NODE_SCRIPT_END)
+    return _render_template(env, scheduler.template, context)
+
+
+def _render_template(env: jinja2.Environment, name: str, context: dict[str, Any]) -> str:
+    """A template's mistake (a site override's, usually) is one line naming its file and line."""
     try:
-        return env.get_template(scheduler.template).render(context)
-    except jinja2.TemplateError as error:
-        raise JobgenError(f"template {scheduler.template}: {error}") from None
+        return env.get_template(name).render(context)
+    except JobgenError:
+        raise
+    except jinja2.TemplateSyntaxError as error:
+        raise JobgenError(f"template {error.filename or error.name or name}, line {error.lineno}: {error.message}") from None
+    except jinja2.TemplateNotFound as error:
+        where = _template_line(error.__traceback__) or name
+        raise JobgenError(f"template {where}: no template {error.name!r} in the site's folder or the bundled ones") from None
+    except RecursionError:
+        raise JobgenError(
+            f"template {name}: extends or includes itself, directly or through another template; "
+            f"an override extends the shipped one as 'bundled/{name}'"
+        ) from None
+    except Exception as error:
+        where = _template_line(error.__traceback__)
+        if not isinstance(error, jinja2.TemplateError) and (where is None or where.startswith(str(bundled_path("templates")))):
+            raise  # not a template's mistake but jobgen's own: keep the traceback
+        raise JobgenError(f"template {where or name}: {error}") from None
+
+
+def _template_line(traceback: Optional[TracebackType]) -> Optional[str]:
+    """`FILE, line N` of the innermost template frame (Jinja marks its rewritten frames)."""
+    where = None
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if "__jinja_exception__" in frame.f_globals:
+            where = f"{frame.f_code.co_filename}, line {traceback.tb_lineno}"
+        traceback = traceback.tb_next
+    return where
 
 
 def nccl_variables(job: Job) -> dict[str, str]:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from jobgen.textfile import file_not_utf8_message
 from jobgen.train.errors import UserError
 
 ROLES = ("user", "assistant", "system")
@@ -41,24 +42,41 @@ class Conversation:
 
 def load_conversations(path: str) -> list[Conversation]:
     """Read and check every item; raises UserError naming the first problem found."""
+    items = _parse(path, _read_text(path))
+    if not items:
+        raise UserError(f"{path}: no conversations in the file")
+    return [_check_item(path, index, item) for index, item in enumerate(items)]
+
+
+def check_conversations_head(path: str, max_chars: int) -> int:
+    """load_conversations' checks on the items that begin and end in the first `max_chars`
+    characters, for a file too big to read whole where it is checked; returns how many there were."""
+    items = _parse_head(path, _read_text(path, max_chars))
+    for index, item in enumerate(items):
+        _check_item(path, index, item)
+    return len(items)
+
+
+def _read_text(path: str, max_chars: int = -1) -> str:
     if not os.path.exists(path):
         raise UserError(f"training.data: file {path!r} does not exist")
     if os.path.isdir(path):
         raise UserError(f"training.data: {path!r} is a directory; give a .json or .jsonl file")
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    items = _parse(path, text)
-    if not items:
-        raise UserError(f"{path}: no conversations in the file")
-    return [_check_item(path, index, item) for index, item in enumerate(items)]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read(max_chars)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: {file_not_utf8_message(path)}") from None
+    except OSError as exc:
+        raise UserError(f"training.data: cannot read {path!r}: {exc.strerror}") from None
 
 
 def _parse(path: str, text: str) -> list[Any]:
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:
+            raise _not_json(path, exc) from None
         return items
     items = []
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -66,9 +84,59 @@ def _parse(path: str, text: str) -> list[Any]:
             continue
         try:
             items.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: line {lineno} is not valid JSON ({exc.msg}); expected one object per line") from None
+        except (ValueError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else _reason(exc)
+            raise UserError(f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line") from None
     return items
+
+
+def _parse_head(path: str, text: str) -> list[Any]:
+    """_parse on the start of a file, leaving out the item that the cut splits."""
+    if not text.lstrip().startswith("["):
+        return _parse(path, text[: text.rfind("\n") + 1])
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    position = text.index("[") + 1
+    while True:
+        position = _skip_json_space(text, position)
+        if position == len(text) or text[position] == "]":
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as exc:
+            # An error within a few characters of the cut, or a string running into it, is the
+            # cut itself; a real one there is left to the trainer, which reads the whole file.
+            if len(text) - exc.pos <= 8 or exc.msg.startswith("Unterminated string"):
+                return items
+            raise _not_json(path, exc) from None
+        except (ValueError, RecursionError) as exc:
+            raise _not_json(path, exc) from None
+        items.append(item)
+        position = _skip_json_space(text, position)
+        if position == len(text) or text[position] == "]":
+            return items
+        if text[position] != ",":
+            raise _not_json(path, json.JSONDecodeError("Expecting ',' delimiter", text, position))
+        position += 1
+
+
+def _skip_json_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\n\r":
+        position += 1
+    return position
+
+
+def _not_json(path: str, exc: Exception) -> UserError:
+    if isinstance(exc, json.JSONDecodeError):
+        return UserError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
+    return UserError(f"{path}: not valid JSON: {_reason(exc)}")
+
+
+def _reason(exc: Exception) -> str:
+    # json raises RecursionError past ~1000 levels and ValueError for a number of over 4300 digits.
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0]
 
 
 def _check_item(path: str, index: int, item: Any) -> Conversation:

@@ -1,0 +1,144 @@
+"""Before submitting: what the login node can check of the job's files, so a typo in a path is
+refused now rather than after hours in the queue (`jobgen validate` and `jobgen submit`).
+
+- Paths are resolved as the nodes resolve them: relative to `environment.workdir`, else to the
+  directory jobgen runs in (the submit directory).
+- `training.data` must read as the trainer reads it, with the trainer's own code
+  (jobgen.train.data). A file of up to CHECK_WHOLE_BYTES is checked whole (under a second here);
+  of a bigger one, only the conversations in its first CHECK_WHOLE_BYTES characters, and a
+  warning says so: a multi-GB file must not hold the login node for minutes.
+- `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
+  must be a folder with config.json. A hub name is left to the nodes.
+- A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
+  folder it may not look into, is not checked: a warning, never a refusal.
+- `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
+
+Nothing here imports torch or transformers: jobgen.train.data and .modeling import them lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from jobgen.errors import JobgenError
+from jobgen.models import Job
+
+CHECK_WHOLE_BYTES = 32 << 20
+CLOSEST_AMONG = 1000  # names in a folder compared for "did you mean"; a huge folder is not listed
+
+
+def check_job_files(job: Job) -> list[str]:
+    """Warnings for what could not be checked from here; JobgenError, one line per path, for a
+    path that is wrong."""
+    if job.launch.entrypoint == "jobgen-probe":
+        return []
+    base = working_directory(job)
+    warnings: list[str] = []
+    errors = [error for error in (_check_data(job, base, warnings), _check_model(job, base, warnings)) if error]
+    if errors:
+        raise JobgenError("\n".join(errors))
+    return warnings
+
+
+def working_directory(job: Job) -> str:
+    """Where the nodes run the job, as seen from here (submit.run_dir_for uses the same base)."""
+    return os.path.abspath(job.environment.workdir or os.getcwd())
+
+
+def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    from jobgen.train.data import check_conversations_head, load_conversations
+    from jobgen.train.errors import UserError
+
+    path = os.path.abspath(os.path.join(base, job.training.data))
+    error, warning = _where_missing("training.data", path, "file")
+    if warning:
+        warnings.append(warning)
+    if error or warning:
+        return error
+    if not os.path.isfile(path) and not os.path.isdir(path):
+        # A pipe or a device (/dev/stdin) could block or never end here.
+        warnings.append(f"training.data: {path!r} is not a regular file; not checked")
+        return None
+    try:
+        if os.path.isfile(path) and os.path.getsize(path) > CHECK_WHOLE_BYTES:
+            count = check_conversations_head(path, CHECK_WHOLE_BYTES)
+            warnings.append(
+                f"training.data: {path!r} is {_size(os.path.getsize(path))}; only its first {count} conversations "
+                f"(its first {_size(CHECK_WHOLE_BYTES)}) were checked here; the trainer checks them all"
+            )
+        else:
+            load_conversations(path)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    from jobgen.train.errors import UserError
+    from jobgen.train.modeling import HUB_NAME, check_model_reference
+
+    model = job.training.model
+    path = os.path.abspath(os.path.join(base, model))
+    # The trainer's rule (check_model_reference, run in the working directory): org/name is a hub
+    # name unless it exists there or a folder there is named like its first part.
+    if HUB_NAME.match(model) and not _exists(path) and not os.path.isdir(os.path.join(base, model.split("/")[0])):
+        return None
+    also = "" if HUB_NAME.match(model) else " (and it is not a hub name like org/name)"
+    error, warning = _where_missing("training.model", path, "folder", also)
+    if warning:
+        warnings.append(warning)
+    if error or warning:
+        return error
+    try:
+        check_model_reference(path)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def _where_missing(field: str, path: str, kind: str, also: str = "") -> tuple[Optional[str], Optional[str]]:
+    """(None, None) when absolute `path` exists here; (error, None) when it does not; (None,
+    warning) when this machine cannot tell."""
+    if "\0" in path:
+        return f"{field}: {path!r} contains a NUL character", None
+    if _exists(path):
+        return None, None
+    top = os.path.join(os.sep, path.split(os.sep)[1])
+    if not _exists(top):
+        return None, f"{field}: {path!r} is not visible from this machine; not checked"
+    folder = os.path.dirname(path)
+    while not _exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.access(folder, os.R_OK | os.X_OK):
+        return None, f"{field}: {path!r} cannot be checked from this machine (no permission to look in {folder}); not checked"
+    missing = path[len(folder):].lstrip(os.sep).split(os.sep)[0]
+    hint = _closest(folder, missing)
+    if folder == os.path.dirname(path):
+        return f"{field}: {kind} {path!r} does not exist{also}{hint}", None
+    return f"{field}: {kind} {path!r} does not exist{also}: there is no {os.path.join(folder, missing)!r}{hint}", None
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _closest(folder: str, name: str) -> str:
+    import difflib  # only for a path that is wrong: off the start-up path
+    from itertools import islice
+
+    try:
+        with os.scandir(folder) as entries:
+            names = [entry.name for entry in islice(entries, CLOSEST_AMONG)]
+    except OSError:
+        return ""
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean {os.path.join(folder, match[0])!r}?)" if match else ""
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
