@@ -22,36 +22,143 @@ import yaml
 from tests.helpers import jobgen
 
 FAKE_PBSDSH = r"""#!/bin/bash
-# pbsdsh -n K -- CMD... (PBS Pro) or pbsdsh -h HOST CMD... (Torque): runs CMD here, as a PBS task
-# does: a bare environment, started in $HOME. Records each call.
+# pbsdsh -n K -- CMD... (PBS Pro) or pbsdsh -h HOST CMD... (Torque), as MoM runs a task: not a
+# child of pbsdsh but a process of its own session, with a bare environment, in $HOME, its output
+# in the job's spooled output (not pbsdsh's stdout). pbsdsh waits for it; a SIGTERM ends pbsdsh
+# at once with status 1, whatever the task is doing. Records each call and each task's pid.
 echo "$*" >> "$FAKE_PBS_LOG"
 while [[ $1 == -* ]]; do
   case $1 in -n|-h) shift 2 ;; --) shift; break ;; *) shift ;; esac
 done
-cd "$HOME" && exec env -i HOME="$HOME" PATH=/usr/bin:/bin PBS_JOBID="$PBS_JOBID" "$@"
+trap 'exit 1' TERM
+cd "$HOME"
+setsid env -i HOME="$HOME" PATH=/usr/bin:/bin PBS_JOBID="$PBS_JOBID" "$@" >> "$FAKE_PBS_SPOOL" 2>&1 < /dev/null &
+echo $! >> "$FAKE_PBS_TASKS"
+wait $!
 """
 
-FAKE_QSUB = r"""#!/bin/bash
-echo "qsub $*" >> "$FAKE_PBS_LOG"
-echo "124.fakeserver"
+# qsub as an OpenPBS server takes it: prints a job id and records, as JSON, the environment the
+# new job would get. A -v on the command line replaces the script's own `#PBS -v` lines; a name
+# without a value takes the value in qsub's environment.
+FAKE_QSUB = r"""#!/usr/bin/env python3
+import json, os, re, sys
+args, passed, script = sys.argv[1:], None, sys.argv[-1]
+with open(os.environ["FAKE_PBS_LOG"], "a") as log:
+    log.write("qsub " + " ".join(args) + "\n")
+if "-v" in args:
+    passed = args[args.index("-v") + 1]
+else:
+    lines = [m.group(1) for m in re.finditer(r"^#PBS -v (\S+)$", open(script).read(), re.M)]
+    passed = ",".join(lines)
+env = {}
+for item in filter(None, passed.split(",")):
+    name, sep, value = item.partition("=")
+    if sep or name in os.environ:
+        env[name] = value if sep else os.environ[name]
+with open(os.environ["FAKE_PBS_SUBMITTED"], "a") as out:
+    out.write(json.dumps({"script": script, "env": env, "workdir": os.getcwd()}) + "\n")
+print("124.fakeserver")
 """
+
+# Debian's slurm-wlm-torque puts Slurm's own qsub in /usr/bin; inside a job it may come first.
+SLURM_QSUB = """#!/bin/sh
+echo "qsub: error: this is Slurm's qsub wrapper, not the PBS server's" >&2
+exit 1
+"""
+
+
+def write_commands(folder: Path, commands: dict[str, str]) -> Path:
+    folder.mkdir()
+    for name, text in commands.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return folder
 
 
 @pytest.fixture
-def fake_pbs(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "fakebin"
-    bin_dir.mkdir()
-    for name, text in (("pbsdsh", FAKE_PBSDSH), ("qsub", FAKE_QSUB)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+def fake_pbs(tmp_path: Path):
+    bin_dir = write_commands(tmp_path / "fakebin", {"pbsdsh": FAKE_PBSDSH, "qsub": FAKE_QSUB})
+    slurm_dir = write_commands(tmp_path / "slurmbin", {"qsub": SLURM_QSUB})
     home = tmp_path / "home"
     home.mkdir()
-    return {
-        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    yield {
+        "PATH": f"{slurm_dir}:{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         "FAKE_PBS_LOG": str(tmp_path / "pbs-calls.log"),
+        "FAKE_PBS_TASKS": str(tmp_path / "pbs-tasks"),
+        "FAKE_PBS_SPOOL": str(tmp_path / "123.fakeserver.OU"),
+        "FAKE_PBS_SUBMITTED": str(tmp_path / "qsub-submitted.jsonl"),
         "PBS_JOBID": "123.fakeserver",
         "HOME": str(home),
     }
+    # A failed test must not leave its tasks (and what they started) running.
+    tasks = tmp_path / "pbs-tasks"
+    if tasks.exists():
+        signal_all(descendants([int(pid) for pid in tasks.read_text().split()]), signal.SIGKILL)
+
+
+def start_pbs_job(script: Path, env: dict[str, str], nodefile: list[str], workdir: Path | None = None) -> subprocess.Popen:
+    """The batch script as MoM starts it: its own session, its output in the job's spool file,
+    PBS_O_WORKDIR the directory qsub ran in."""
+    folder = workdir or script.parent
+    (folder / "nodefile").write_text("".join(f"{host}\n" for host in nodefile))
+    full_env = {**os.environ, **env, "PBS_NODEFILE": str(folder / "nodefile"), "PBS_O_WORKDIR": str(folder)}
+    spool = open(env["FAKE_PBS_SPOOL"], "a")
+    return subprocess.Popen(["bash", str(script)], cwd=folder, env=full_env, stdout=spool, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process of this machine."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def descendants(pids: list[int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """pids and every process they started, still running."""
+    table = table or process_table()
+    found = set(pids)
+    while True:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        if not more:
+            return sorted(pid for pid in found if pid in table)
+        found |= more
+
+
+def job_processes(batch: subprocess.Popen, env: dict[str, str]) -> list[int]:
+    """Every process of the job: the batch script's session, each task's, and all they started."""
+    table = process_table()
+    tasks_file = Path(env["FAKE_PBS_TASKS"])
+    tasks = [int(pid) for pid in tasks_file.read_text().split()] if tasks_file.exists() else []
+    return descendants([pid for pid, (_, pgid) in table.items() if pgid == batch.pid] + tasks, table)
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def preempt_like_mom(batch: subprocess.Popen, env: dict[str, str], kill_delay: float = 10) -> int:
+    """What MoM does to a preempted (or rerun) job: SIGTERM to every process of the job at once,
+    SIGKILL to whatever is left after the queue's kill_delay (10 s by default); the job has
+    ended (and may be rerun) only when none is left."""
+    processes = job_processes(batch, env)
+    signal_all(processes, signal.SIGTERM)
+    deadline = time.time() + kill_delay
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in processes):
+        batch.poll()
+        time.sleep(0.2)
+    killed = [pid for pid in processes if Path(f"/proc/{pid}").exists()]
+    signal_all(killed, signal.SIGKILL)
+    return batch.wait() if batch.pid not in killed else -signal.SIGKILL
 
 
 def run_pbs_script(tmp_path: Path, flavour: str, job: dict, nodefile: list[str], env: dict[str, str], timeout: int = 240):
@@ -114,46 +221,128 @@ def test_fake_pbs_a_variable_reaches_bare_pbsdsh_tasks_intact(tmp_path: Path, fa
 def test_fake_pbs_a_nodefile_with_the_wrong_node_count_stops_with_a_clear_message(tmp_path: Path, fake_pbs) -> None:
     result = run_pbs_script(tmp_path, "pbs", probe_job(2, 1), ["127.0.0.1"], fake_pbs)
     assert result.returncode == 2
-    assert "the job file asks for 2 nodes but the scheduler gave 1" in result.stderr
+    message = "the job file asks for 2 nodes but the scheduler gave 1"
+    assert message in result.stdout
+    # The batch log is also in the run directory, where `jobgen logs` finds it.
+    assert message in jobgen("logs", str(tmp_path / "runs" / "pbs-probe")).stdout
 
 
-def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_submits_its_continuation(tmp_path: Path, fake_pbs) -> None:
+def lora_job(tmp_path: Path, name: str, **requeue) -> dict:
     subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
-    job = {
-        "name": "pbs-walltime",
+    return {
+        "name": name,
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:30:00"},
         "launch": {"procs_per_node": 1},
+        "environment": {"secrets": ["JOBGEN_TEST_TOKEN"]},
         "training": {"model": str(tmp_path / "tiny/model"), "data": str(tmp_path / "tiny/data.json"), "method": "lora",
-                     "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "epochs": 5, "max_steps": 40,
+                     "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "epochs": 5, "max_steps": 12,
                      "save_interval": 100},
-        "requeue": {"warning_seconds": 60, "max_restarts": 3},
+        "requeue": {"warning_seconds": 60, "max_restarts": 3, **requeue},
     }
+
+
+def render_to(tmp_path: Path, job: dict) -> Path:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     script = tmp_path / "job.pbs.sh"
     assert jobgen("render", "-s", "pbs", str(config), "-o", str(script)).returncode == 0
+    return script
+
+
+def wait_for_step(run_dir: Path, step: int, batch: subprocess.Popen, timeout: float = 240) -> None:
+    metrics = run_dir / "output" / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+        assert time.time() < deadline and batch.poll() is None, f"training never reached step {step}"
+        time.sleep(0.5)
+
+
+def segments(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+
+
+def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_its_continuation_has_the_secret(tmp_path: Path, fake_pbs) -> None:
+    script = render_to(tmp_path, lora_job(tmp_path, "pbs-walltime"))
     # PBS has no --signal: the script's own timer sends it USR1 at walltime - warning (1740 s here).
     assert "( sleep 1740 && kill -USR1 $$ ) &" in script.read_text()
-    (tmp_path / "nodefile").write_text("127.0.0.1\n127.0.0.1\n")
-    env = {**os.environ, **fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "2", "PBS_NODEFILE": str(tmp_path / "nodefile"), "PBS_O_WORKDIR": str(tmp_path)}
-    batch = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "s3cret, with a comma"}
+    batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
     run_dir = tmp_path / "runs" / "pbs-walltime"
-    metrics = run_dir / "output" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.time() < deadline and batch.poll() is None, "training never reached step 2"
-        time.sleep(0.5)
+    wait_for_step(run_dir, 2, batch)
     batch.send_signal(signal.SIGUSR1)  # what the timer does
-    stdout, stderr = batch.communicate(timeout=240)
+    assert batch.wait(timeout=240) == 0, Path(env["FAKE_PBS_SPOOL"]).read_text()
 
-    assert batch.returncode == 0, stdout + stderr
-    end = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
-    assert end["outcome"] == "time_limit" and 2 <= end["last_step"] < 40
+    end = segments(run_dir)[-1]
+    assert end["outcome"] == "time_limit" and 2 <= end["last_step"] < 12
     assert (run_dir / "output" / "checkpoints" / f"step-{end['last_step']:06d}" / "COMPLETE").exists()
+    # Submitted with the PBS installation's qsub, not Slurm's wrapper that PATH puts first.
     qsub = [c for c in Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines() if c.startswith("qsub")]
-    assert qsub == [f"qsub -W depend=afterany:123.fakeserver -v JOBGEN_RESTART_COUNT=1 {run_dir}/job.pbs"]
+    assert qsub == [f"qsub -W depend=afterany:123.fakeserver -v JOBGEN_RESTART_COUNT=1,JOBGEN_TEST_TOKEN {run_dir}/job.pbs"]
     assert (run_dir / "job.pbs").read_text() == script.read_text(), "the continuation is not this same script"
-    assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in stdout
+    assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in jobgen("logs", str(run_dir)).stdout
+
+    # The continuation runs with exactly what the server would give it: its -v, not the first
+    # job's environment. It must pass the secret check and resume where the first one stopped.
+    submitted = json.loads(Path(fake_pbs["FAKE_PBS_SUBMITTED"]).read_text().splitlines()[-1])
+    assert submitted["env"] == {"JOBGEN_RESTART_COUNT": "1", "JOBGEN_TEST_TOKEN": "s3cret, with a comma"}
+    second_env = {**fake_pbs, **submitted["env"], "PBS_JOBID": "124.fakeserver"}
+    second_env["FAKE_PBS_SPOOL"] = str(tmp_path / "124.fakeserver.OU")
+    assert submitted["workdir"] == str(tmp_path)
+    continuation = start_pbs_job(run_dir / "job.pbs", second_env, ["127.0.0.1", "127.0.0.1"], workdir=tmp_path)
+    assert continuation.wait(timeout=300) == 0, Path(second_env["FAKE_PBS_SPOOL"]).read_text()
+    assert "Terminated" not in Path(second_env["FAKE_PBS_SPOOL"]).read_text()
+    first, second = [s for s in segments(run_dir) if s["event"] == "end"]
+    assert (second["job_id"], second["restart"], second["outcome"]) == ("124.fakeserver", 1, "completed")
+    assert second["first_step"] == first["last_step"] and second["last_step"] == 12
+
+
+def test_fake_pbs_a_continuation_qsub_refuses_says_why_in_one_line(tmp_path: Path, fake_pbs) -> None:
+    refusing = write_commands(tmp_path / "pbsexec", {"qsub": "#!/bin/sh\necho 'qsub: Job violates queue and/or server resource limits' >&2\nexit 38\n"})
+    (tmp_path / "pbs.conf").write_text(f"PBS_SERVER=fakeserver\nPBS_EXEC={refusing.parent}/pbsexec-root\n")
+    (tmp_path / "pbsexec-root").mkdir()
+    (tmp_path / "pbsexec-root" / "bin").symlink_to(refusing)
+    job = lora_job(tmp_path, "pbs-refused")
+    job["training"]["max_steps"] = 40
+    script = render_to(tmp_path, job)
+    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "x", "PBS_CONF_FILE": str(tmp_path / "pbs.conf")}
+    batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
+    run_dir = tmp_path / "runs" / "pbs-refused"
+    wait_for_step(run_dir, 1, batch)
+    batch.send_signal(signal.SIGUSR1)
+    assert batch.wait(timeout=240) == 1
+    said = [line for line in jobgen("logs", str(run_dir)).stdout.splitlines() if "could not submit" in line]
+    assert said == [f"jobgen: could not submit the continuation with {tmp_path}/pbsexec-root/bin/qsub: qsub: Job violates "
+                    f"queue and/or server resource limits; submit the job again to resume from step {segments(run_dir)[-1]['last_step']}"]
+
+
+def test_fake_pbs_preemption_signals_every_process_and_the_job_records_its_checkpoint(tmp_path: Path, fake_pbs) -> None:
+    """OpenPBS preempts (or qreruns) a job by sending SIGTERM to all of its processes at once:
+    pbsdsh dies at the signal while the ranks are still writing their checkpoint, and SIGKILL
+    follows after kill_delay. The script must wait for the ranks, say so, and the rerun resume."""
+    script = render_to(tmp_path, lora_job(tmp_path, "pbs-preempt"))
+    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "x"}
+    batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
+    run_dir = tmp_path / "runs" / "pbs-preempt"
+    wait_for_step(run_dir, 2, batch)
+    # Both node logs are live in the run directory while the job runs, whatever pbsdsh does.
+    for node in (0, 1):
+        assert "starting 1 rank(s)" in jobgen("logs", str(run_dir), "--node", str(node)).stdout
+
+    assert preempt_like_mom(batch, env) == 1, "killed at kill_delay, or not left for the server to rerun"
+    end = segments(run_dir)[-1]
+    assert end["outcome"] == "preempted" and end["last_step"] >= 2, end
+    assert (run_dir / "output" / "checkpoints" / f"step-{end['last_step']:06d}" / "COMPLETE").exists()
+    log = jobgen("logs", str(run_dir)).stdout
+    assert f"jobgen: stopped (preempted) with a complete checkpoint at step {end['last_step']}" in log
+    assert "training failed" not in log
+    everything = log + Path(env["FAKE_PBS_SPOOL"]).read_text() + "".join(p.read_text() for p in (run_dir / "logs").glob("*"))
+    assert "Traceback" not in everything
+
+    rerun = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])  # the server's rerun: same id
+    assert rerun.wait(timeout=300) == 0, jobgen("logs", str(run_dir)).stdout
+    first, second = [s for s in segments(run_dir) if s["event"] == "end"]
+    assert (second["restart"], second["outcome"]) == (1, "completed")
+    assert second["first_step"] == first["last_step"] and second["last_step"] == 12
 
 
 def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_stops(tmp_path: Path, fake_pbs) -> None:
@@ -164,7 +353,7 @@ def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_
     env = {**fake_pbs, "JOBGEN_RESTART_COUNT": "1"}
     runs = [run_pbs_script(tmp_path, "pbs", job, ["127.0.0.1", "127.0.0.1"], env) for _ in range(3)]
 
-    assert [run.returncode for run in runs] == [0, 0, 1], runs[2].stderr
+    assert [run.returncode for run in runs] == [0, 0, 1], runs[2].stdout
     run_dir = tmp_path / "runs" / "pbs-probe"
     events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
     assert [(e["event"], e["restart"], e["outcome"]) for e in events] == [
@@ -172,7 +361,7 @@ def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_
         ("start", 2, ""), ("end", 2, "completed"),
         ("start", 3, ""), ("end", 3, "restarts_exhausted"),
     ]
-    assert "not started: this is restart 3 of the job, and requeue.max_restarts is 2" in runs[2].stderr
+    assert "not started: this is restart 3 of the job, and requeue.max_restarts is 2" in runs[2].stdout
     # The third run started no node task: two pbsdsh calls per run, for the first two only.
     assert len(Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines()) == 4
     assert "restarts_exhausted" in jobgen("status", str(run_dir)).stdout

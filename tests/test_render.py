@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobgen.config import resolve_job
-from jobgen.render import render
+from jobgen.models import Job
+from jobgen.render import job_yaml, render
 from tests.helpers import jobgen, node_script_of, shell_findings
 
 HOSTILE = [
@@ -61,8 +62,9 @@ def test_hostile_values_reach_the_trainer_intact_with_fake_torchrun(tmp_path: Pa
     """Runs the rendered local script for real; only torchrun is replaced, to see what arrives."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
-    (bin_dir / "torchrun").chmod(0o755)
+    # node.sh starts torchrun through jobgen-torchrun (torchrun without a traceback at a stop).
+    (bin_dir / "jobgen-torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "jobgen-torchrun").chmod(0o755)
     variables = {f"V{i}": value for i, value in enumerate(HOSTILE)}
     job = cpu_job(model=HOSTILE[0], data=HOSTILE[2])
     job["name"] = HOSTILE[1]
@@ -94,12 +96,24 @@ def test_hostile_values_reach_the_trainer_intact_with_fake_torchrun(tmp_path: Pa
     assert not (run_dir / "node.env").exists(), "the file holding secrets outlived the job"
 
 
-def test_a_value_holding_a_heredoc_terminator_cannot_end_the_embedded_file(tmp_path: Path) -> None:
+def test_a_setup_line_equal_to_a_heredoc_terminator_is_refused_rather_than_run_as_the_script(tmp_path: Path) -> None:
+    # Setup lines are shell by intent and go into node.sh as written, so this one would end the
+    # embedded node script early and run the rest of it in the batch shell.
     job = cpu_job()
-    job["environment"] = {"setup": ["echo ok"], "variables": {"X": "JOBGEN_JOB_YAML"}}
-    script = render(resolve_job(write_job(tmp_path / "j.yaml", job)), "slurm")
-    body = script.split("<<'JOBGEN_JOB_YAML'\n", 1)[1]
-    assert body.splitlines().count("JOBGEN_JOB_YAML") == 1
+    job["environment"] = {"setup": ["echo ok", "JOBGEN_NODE_SCRIPT", "touch PWNED"]}
+    result = jobgen("render", "-s", "slurm", str(write_job(tmp_path / "j.yaml", job)))
+    assert result.returncode == 2 and not result.stdout
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == ["jobgen: error: a value in the job contains the line 'JOBGEN_NODE_SCRIPT', which jobgen reserves"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(value=st.sampled_from(["JOBGEN_JOB_YAML", "a\nJOBGEN_JOB_YAML\nb", "x" * 995 + " JOBGEN_JOB_YAML", "\nJOBGEN_JOB_YAML"])
+       | st.lists(st.sampled_from(["JOBGEN_JOB_YAML", "\n", " ", "x", "'", '"']), max_size=12).map("".join))
+def test_no_value_puts_the_job_yaml_terminator_on_a_line_of_its_own(value: str) -> None:
+    # The job YAML needs its guard only for text jobgen does not quote: YAML indents every value.
+    job = Job.model_validate({**cpu_job(), "run_dir": value, "environment": {"variables": {"X": value}}})
+    assert "JOBGEN_JOB_YAML" not in job_yaml(job).splitlines()
 
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=30)

@@ -68,7 +68,9 @@ class RunDir:
 def find_run(target: str) -> RunDir:
     """A run directory given as a path, or the one a job id was submitted from."""
     path = Path(target)
-    if (path / "submissions.jsonl").is_file() or (path / "segments.jsonl").is_file():
+    # logs/ is the first thing a batch script makes: a job that stopped before its first
+    # segment (wrong node count, say) has only its log to show.
+    if any((path / name).exists() for name in ("submissions.jsonl", "segments.jsonl", "logs")):
         return RunDir(path.resolve())
     for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
         if entry.get("job_id") == target:

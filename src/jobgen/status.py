@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -90,17 +91,21 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def log_path(target: str, node: Optional[int]) -> Path:
+    """The batch log, or node K's: the script and each node write their own into RUN_DIR/logs on
+    every scheduler and launcher, named by the job id the script ran as (a PBS continuation runs
+    under a new id; a run submitted by hand has only the script's own records)."""
     run = find_run(target)
-    latest = run.latest()
-    job_id, scheduler = latest["job_id"], latest["scheduler"]
-    if node is not None:
-        return run.logs / f"{job_id}-node{node}.out"
-    if scheduler == "slurm":
-        return run.path / "submitit" / f"{job_id}_0_log.out"
-    if scheduler == "local":
-        return run.logs / f"{job_id}.out"
-    # PBS writes the joined output beside the submit directory as NAME.oNUMBER.
-    return Path(latest.get("workdir", run.path)) / f"{Path(latest['script']).stem}.o{job_id.split('.')[0]}"
+    starts = [event for event in run.segments() if event.get("event") == "start"]
+    if starts:
+        job_id = starts[-1]["job_id"]
+    elif run.submissions():
+        job_id = run.latest()["job_id"]
+    else:  # submitted by hand and stopped before its first segment: its newest batch log
+        batch_logs = [p for p in run.logs.glob("*.out") if not re.search(r"-(node|rank)\d+\.out$", p.name)]
+        if not batch_logs:
+            raise JobgenError(f"{run.path} has no log yet")
+        job_id = max(batch_logs, key=lambda p: p.stat().st_mtime).name[: -len(".out")]
+    return run.logs / (f"{job_id}-node{node}.out" if node is not None else f"{job_id}.out")
 
 
 def local_exit_status(run: RunDir) -> int:

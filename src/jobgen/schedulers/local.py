@@ -1,7 +1,7 @@
 """This machine as N simulated nodes: the same per-node script, each node a local process.
 
 `submit` runs the script in the foreground, its output on the terminal and in
-RUN_DIR/logs/local.out; Ctrl-C asks every rank to checkpoint and stop, as a preemption would.
+RUN_DIR/logs/JOB_ID.out; Ctrl-C asks every rank to checkpoint and stop, as a preemption would.
 """
 
 from __future__ import annotations
@@ -26,23 +26,17 @@ class Local(Scheduler):
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         job_id = f"local-{os.getpid()}-{int(time.time())}"
-        log = run_dir / "logs" / f"{job_id}.out"
-        log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "JOBGEN_JOB_ID": job_id}
+        log = run_dir / "logs" / f"{job_id}.out"
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
-        with log.open("w") as log_file:
-            process = subprocess.Popen(
-                ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-            )
-            (run_dir / "local.pid").write_text(f"{job_id} {process.pid}\n")
-            try:
-                for line in process.stdout:  # type: ignore[union-attr]
-                    sys.stderr.write(line)
-                    log_file.write(line)
-                process.wait()
-            except KeyboardInterrupt:
-                # The terminal sent SIGINT to the whole group; the script checkpoints and stops.
-                process.wait()
+        # The script writes its own log (as on every scheduler); its output also comes here.
+        process = subprocess.Popen(["bash", str(script)], env=env, stdout=sys.stderr)
+        (run_dir / "local.pid").write_text(f"{job_id} {process.pid}\n")
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            # The terminal sent SIGINT to the whole group; the script checkpoints and stops.
+            process.wait()
         self.returncode = process.returncode
         return job_id
 

@@ -9,6 +9,7 @@ import sys
 import traceback
 from typing import Optional
 
+from jobgen.train.console import finish_output, route_output
 from jobgen.train.errors import UserError
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import STOP_FILE, StopRequest
@@ -39,15 +40,23 @@ def load_job(path: str):
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
+    run_dir = os.path.abspath(args.run_dir or os.path.dirname(os.path.abspath(args.job)))
+    handlers = [logging.StreamHandler(sys.stderr)]
+    node_log = None
+    if os.environ.get("JOBGEN_JOB_ID") and os.path.isdir(run_dir):  # inside a jobgen job
+        node_log = route_output(run_dir, os.environ["JOBGEN_JOB_ID"], rank)
+        if rank != 0:
+            handlers.append(logging.StreamHandler(node_log))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[{PROG} rank {rank}] %(levelname)s %(message)s",
+        handlers=handlers,
     )
-    run_dir = os.path.abspath(args.run_dir or os.path.dirname(os.path.abspath(args.job)))
     # Installed before anything slow, so an early signal is not lost.
     stop = StopRequest(stop_file=os.path.join(run_dir, STOP_FILE)).install()
     report = ExitReport()
     code = 1
+    trainer = None
     try:
         from jobgen.train.distributed import RankInfo
         from jobgen.train.trainer import Trainer, prepare
@@ -56,11 +65,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         job = load_job(args.job)
         prepared = prepare(job, run_dir, info.world_size)
         trainer = Trainer(prepared, info, stop, report)
-        try:
-            trainer.run()
-        finally:
-            if getattr(trainer, "dist", None) is not None:
-                trainer.dist.close()
+        trainer.run()
         code = 0
     except UserError as exc:
         # One write, so the lines of ranks sharing a terminal or pipe do not interleave.
@@ -69,16 +74,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - any crash must still leave trainer-exit.json
         traceback.print_exc()
         report.reason, report.message, code = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0], 1
+        if node_log is not None and rank != 0:  # its traceback is in the rank's own log only
+            node_log.write(f"{PROG} rank {rank}: error: {report.message}\n")
     finally:
         report.signal = report.signal or stop.signal_name
+        # The outcome is known: report it before the process group's teardown, which a
+        # preemption's SIGKILL may cut short (PBS leaves 10 s by default).
         if rank == 0 and os.path.isdir(run_dir):
             write_exit_report(run_dir, report)
+        if getattr(trainer, "dist", None) is not None:
+            trainer.dist.close()
     # Everything is written and the process group is gone. Interpreter finalization can still
     # abort (SIGABRT) in gloo's worker threads, seen on a non-zero rank at the end of a complete
     # run, and torchrun then holds the other nodes in its exit barrier for 300 s: skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
     logging.shutdown()
+    finish_output()
     os._exit(code)
 
 

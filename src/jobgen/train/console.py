@@ -1,0 +1,65 @@
+"""Where a rank's output goes inside a jobgen job: all of it to the rank's own file, and to the
+node's log only what a user should read there.
+
+Every rank of every node prints the same library lines (DeepSpeed's accelerator, bitsandbytes'
+kernels, FutureWarnings): in the node logs they would say everything world-size times. So each
+rank's stdout and stderr (the file descriptors, so C libraries' output too) go to
+RUN_DIR/logs/JOBID-rankR.out; rank 0's also still reach its node's log, once; the other ranks
+show there only their own warnings and errors (the `jobgen-train` logger) and a crash's summary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import TextIO
+
+
+_tee: "subprocess.Popen[bytes] | None" = None
+
+
+def rank_log_path(run_dir: str, job_id: str, rank: int) -> str:
+    return os.path.join(run_dir, "logs", f"{job_id}-rank{rank}.out")
+
+
+def route_output(run_dir: str, job_id: str, rank: int) -> TextIO:
+    """Redirects fds 1 and 2 as the module says; returns a stream to the node's log."""
+    path = rank_log_path(run_dir, job_id, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    node_log = os.dup(2)
+    if rank == 0:
+        # tee ignores the stop signals a scheduler sends the whole job: the stop is worth logging.
+        global _tee
+        _tee = subprocess.Popen(
+            ["tee", "-a", path], stdin=subprocess.PIPE, stdout=node_log, preexec_fn=_ignore_stop_signals
+        )
+        target = os.dup(_tee.stdin.fileno())  # type: ignore[union-attr]
+        _tee.stdin.close()  # type: ignore[union-attr]
+    else:
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    return os.fdopen(node_log, "w", buffering=1)
+
+
+def finish_output() -> None:
+    """Before the process exits: rank 0's last lines reach the node log before torchrun ends."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _tee is not None:
+        os.close(1)
+        os.close(2)
+        try:
+            _tee.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
