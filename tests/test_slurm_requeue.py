@@ -265,13 +265,17 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
 
 
 def test_a_job_that_fails_for_another_reason_is_not_requeued(tmp_path: Path, tiny: Path) -> None:
-    jobs = start_both(tmp_path, tiny, "fails", step_delay=0, training={"data": str(tmp_path / "missing.json")})
+    # A folder the login node cannot see: `jobgen submit` only warns, and the nodes find no file.
+    missing = "/jobgen-test-not-mounted-here/missing.json"
+    jobs = start_both(tmp_path, tiny, "fails", step_delay=0, training={"data": missing})
     for path, (job_id, run_dir) in jobs.items():
         assert wait_until_done(job_id) == "FAILED", path
         assert job_fields(job_id)["Restarts"] == "0", path
         assert [s["outcome"] for s in segments(run_dir)] == ["failed"], path
         node_log = (run_dir / "logs" / f"{job_id}-node0.out").read_text()
         assert "jobgen-train: error:" in node_log and "missing.json" in node_log, path
+        # The trainer's one line reaches the batch log, on both paths.
+        assert f"jobgen: training failed: training.data: file '{missing}' does not exist; not requeued" in jobgen("logs", str(run_dir)).stdout, path
 
 
 def test_a_job_slurm_requeues_by_itself_past_max_restarts_does_not_start_again(tmp_path: Path) -> None:
