@@ -182,12 +182,20 @@ def cancel(target: str) -> None:
 @main.command()
 @target_argument
 @click.option("--node", type=int, metavar="K", help="The log of node K (0 is the master) instead of the batch log.")
+@click.option("--rank", type=int, metavar="R", help="Everything rank R printed (the node logs show rank 0's only).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (tail -F).")
-def logs(target: str, node: Optional[int], follow: bool) -> None:
-    """Print the job's batch log, or one node's log with --node."""
+def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) -> None:
+    """Print the job's batch log, or one node's or one rank's log.
+
+    \b
+    All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
+    JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
+    """
     from jobgen.status import log_path
 
-    path = log_path(target, node)
+    if node is not None and rank is not None:
+        raise JobgenError("give --node or --rank, not both")
+    path = log_path(target, node, rank)
     if follow:
         os.execvp("tail", ["tail", "-n", "+1", "-F", str(path)])
     try:

@@ -2,10 +2,11 @@
 
     RUN_DIR/job.yaml            the resolved job (every layer applied), as the trainer reads it
     RUN_DIR/job.<scheduler>.sh  the exact script that runs
-    RUN_DIR/submission.txt      the exact text handed to the scheduler (for Slurm, submitit's sbatch file)
+    RUN_DIR/submission.txt      the exact text handed to the scheduler (the script itself)
     RUN_DIR/submissions.jsonl   one line per submission: job id, time, scheduler
     RUN_DIR/segments.jsonl      written by the script: one start and one end line per segment
-    RUN_DIR/logs/               one log per node and segment
+    RUN_DIR/logs/               written live by the job: JOBID.out (the batch script),
+                                JOBID-nodeK.out (node K: torchrun, rank 0), JOBID-rankR.out
     RUN_DIR/output/             the trainer's checkpoints, metrics and final weights
 
 An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen) maps job ids to run directories.

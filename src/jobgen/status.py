@@ -90,7 +90,7 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def log_path(target: str, node: Optional[int]) -> Path:
+def log_path(target: str, node: Optional[int], rank: Optional[int] = None) -> Path:
     """The batch log, or node K's: the script and each node write their own into RUN_DIR/logs on
     every scheduler and launcher, named by the job id the script ran as (a PBS continuation runs
     under a new id; a run submitted by hand has only the script's own records)."""
@@ -105,6 +105,8 @@ def log_path(target: str, node: Optional[int]) -> Path:
         if not batch_logs:
             raise JobgenError(f"{run.path} has no log yet")
         job_id = max(batch_logs, key=lambda p: p.stat().st_mtime).name[: -len(".out")]
+    if rank is not None:
+        return run.logs / f"{job_id}-rank{rank}.out"
     return run.logs / (f"{job_id}-node{node}.out" if node is not None else f"{job_id}.out")
 
 
