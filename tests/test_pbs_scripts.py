@@ -203,6 +203,10 @@ def test_fake_pbs_every_rank_is_wired_through_pbsdsh(tmp_path: Path, fake_pbs, f
         assert record["NODE_RANK"] == str(rank // 2) and record["NNODES"] == "2"
         assert record["MASTER_ADDR"] == nodefile[0]
         assert record["all_reduce_sum"] == 10
+    # Every log is in the run directory, although a pbsdsh task's output goes to PBS's spool.
+    assert "jobgen: job 123.fakeserver (restart 0)" in jobgen("logs", str(run_dir)).stdout
+    for node in (0, 1):
+        assert f"node {node} of 2" in jobgen("logs", str(run_dir), "--node", str(node)).stdout
     # The task started with a bare environment: what it has came through node.env.
     env_seen = json.loads((run_dir / "probe" / "rank-3.json").read_text())
     assert env_seen["JOBGEN_JOB_ID"] == "123.fakeserver"
