@@ -21,8 +21,8 @@ def skip_startup_costs() -> None:
     """Called once per command, before the job is read."""
     # The cyclic collector walks the ~30,000 young objects (all alive until exit) that pydantic
     # makes while building validators, about 80 times per render, and finds almost nothing: ~10 ms.
-    # No command runs long in Python: `logs -f` execs tail, and a local run's parent only passes
-    # lines on, whose memory reference counting frees.
+    # No command runs long in Python: `logs -f` execs tail, and a local run's parent only waits
+    # for the script, whose output goes straight to the terminal.
     gc.disable()
     if _PLUGIN_LOADER not in sys.modules:
         sys.modules[_PLUGIN_LOADER] = _NoPydanticPlugins(_PLUGIN_LOADER)
