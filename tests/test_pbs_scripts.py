@@ -268,7 +268,7 @@ def segments(run_dir: Path) -> list[dict]:
 def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_its_continuation_has_the_secret(tmp_path: Path, fake_pbs) -> None:
     script = render_to(tmp_path, lora_job(tmp_path, "pbs-walltime"))
     # PBS has no --signal: the script's own timer sends it USR1 at walltime - warning (1740 s here).
-    assert "( sleep 1740 && kill -USR1 $$ ) &" in script.read_text()
+    assert "( sleep 1740 && kill -USR1 $$ ) 2>/dev/null &" in script.read_text()
     env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "s3cret, with a comma"}
     batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
     run_dir = tmp_path / "runs" / "pbs-walltime"
