@@ -123,10 +123,12 @@ class Resources(_Strict):
 
 
 NETWORK_PRESETS: dict[str, dict[str, str]] = {
-    # Why each: IB wants the IB transport and GPUDirect RDMA; RoCE additionally needs the GID
-    # index of RoCEv2; plain Ethernet must not probe for IB at all (it hangs or warns on start).
-    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
-    "roce": {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3", "NCCL_NET_GDR_LEVEL": "PHB"},
+    # Only what NCCL cannot know by itself: whether to use the IB transport at all. NCCL picks the
+    # RoCEv2 GID index and the GPUDirect RDMA level per fabric; a fixed NCCL_IB_GID_INDEX=3 or
+    # NCCL_NET_GDR_LEVEL=PHB is wrong on some fabrics (a site that needs one sets it in
+    # environment.variables). Plain Ethernet must not probe for IB at all (it hangs or warns).
+    "infiniband": {"NCCL_IB_DISABLE": "0"},
+    "roce": {"NCCL_IB_DISABLE": "0"},
     "ethernet": {"NCCL_IB_DISABLE": "1"},
     "auto": {},
 }
@@ -151,6 +153,13 @@ class Launch(_Strict):
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
     )
+    ssh_options: list[str] = Field(
+        default_factory=list,
+        description="options for the ssh launcher, one argument each (passed shell-quoted, so no ~ or $VAR), "
+        "e.g. ['-p', '2222', '-i', '/home/me/.ssh/id_cluster'] or ['-F', '/etc/jobgen/ssh_config']; "
+        "options that keep ssh from running the node script or tying it to the connection "
+        "(-f -G -N -O -Q -s -T -V -W) are refused",
+    )
 
     @field_validator("master_port")
     @classmethod
@@ -158,6 +167,41 @@ class Launch(_Strict):
         if isinstance(value, int) and not 1024 <= value <= 65535:
             raise ValueError("must be between 1024 and 65535, or 'auto'")
         return value
+
+    @field_validator("ssh_options")
+    @classmethod
+    def _ssh_options(cls, value: list[str]) -> list[str]:
+        check_ssh_options(value)
+        return value
+
+
+# OpenSSH's (9.x) option letters: flags, options that take a value, and options that would keep
+# ssh from running the node script, or from tying it to the connection (-T: no terminal).
+_SSH_FLAGS = set("1246AaCgKkMnqtvXxYy")
+_SSH_VALUE_OPTIONS = set("BbcDEeFIiJLlmoPpRSw")
+_SSH_REFUSED = set("fGNOQsTVW")
+
+
+def check_ssh_options(words: list[str]) -> None:
+    """Raises ValueError unless `words` are ssh options (`-p 2222`, `-p2222`, `-vC`), nothing else."""
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if not word.startswith("-") or len(word) < 2 or "\n" in word:
+            raise ValueError(f"{word!r} is not an ssh option; give options only, e.g. ['-p', '2222']")
+        for position, letter in enumerate(word[1:], start=1):
+            if letter in _SSH_REFUSED:
+                raise ValueError(f"ssh option -{letter} is refused: the ssh launcher runs the node script in the "
+                                 "foreground, on a terminal (-tt) that ties it to the connection")
+            if letter in _SSH_VALUE_OPTIONS:
+                if position == len(word) - 1:
+                    index += 1
+                    if index == len(words):
+                        raise ValueError(f"ssh option -{letter} needs a value after it")
+                break
+            if letter not in _SSH_FLAGS:
+                raise ValueError(f"-{letter} is not an ssh option")
+        index += 1
 
 
 class Environment(_Strict):

@@ -1,9 +1,9 @@
 """jobgen-probe: check a job's wiring in seconds, before spending GPU hours on it.
 
 Run in place of jobgen-train (`launch.entrypoint: jobgen-probe`). Every rank writes what it was
-given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host) to RUN_DIR/probe/rank-R.json,
-then one all_reduce of rank+1 over every rank proves they reach each other: the sum must be
-W(W+1)/2. Rank 0 reports the outcome in trainer-exit.json, as the trainer does.
+given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host, LOADEDMODULES) to
+RUN_DIR/probe/rank-R.json, then one all_reduce of rank+1 over every rank proves they reach each
+other: the sum must be W(W+1)/2. Rank 0 reports the outcome in trainer-exit.json, as the trainer does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPORTED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT",
             "JOBGEN_JOB_ID", "JOBGEN_RESTART_COUNT", "SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_NODEID", "PBS_JOBID",
-            "CUDA_VISIBLE_DEVICES")
+            "CUDA_VISIBLE_DEVICES", "LOADEDMODULES")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,20 +30,30 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from jobgen.train.__main__ import load_job
+    from jobgen.train.distributed import place
+    from jobgen.train.errors import UserError
     from jobgen.train.exit_report import ExitReport, write_exit_report, write_json_atomically
 
     started = time.time()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        job = load_job(str(args.job))
+        # The job's device, as jobgen-train would have it: a GPU job without usable CUDA fails here too.
+        placement = place(job.resources.gpus_per_node, int(os.environ.get("LOCAL_RANK", "0")), job.training.precision)
+    except UserError as exc:
+        print(f"jobgen-probe: error: {exc}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            write_exit_report(str(run_dir), ExitReport(reason="failed", message=str(exc)))
+        return 2
+    backend, device = placement.backend, placement.device
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
     total = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(total)
     expected = world * (world + 1) / 2
     record = {name: os.environ.get(name) for name in REPORTED}
-    record.update(hostname=socket.gethostname(), backend=backend, all_reduce_sum=total.item(), expected_sum=expected)
+    record.update(hostname=socket.gethostname(), backend=backend, device=str(device),
+                  gpu=torch.cuda.get_device_name(device) if placement.cuda else None, all_reduce_sum=total.item(), expected_sum=expected)
     write_json_atomically(str(run_dir / "probe" / f"rank-{rank}.json"), record)
     print(f"jobgen-probe: rank {rank}/{world} node {record['NODE_RANK']} on {record['SLURMD_NODENAME'] or record['hostname']}: "
           f"all_reduce {total.item():g} (expected {expected:g})", flush=True)

@@ -150,3 +150,21 @@ def test_unknown_lora_target_after_start_fails_every_rank_together(make_job, too
     assert result.returncode != 0
     assert "jobgen-train: error: training.lora.target_modules: ['c_attn'] not found" in result.stdout
     assert tools.exit_report(job.parent)["reason"] == "failed"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without usable CUDA: this one has it")
+def test_gpu_job_where_cuda_is_unusable_is_an_error_not_a_cpu_run(make_job, tools):
+    # The job decides the device: a GPU job never falls back to training on the CPU.
+    job = make_job("nocuda", procs=1)
+    raw = yaml.safe_load(job.read_text())
+    raw["resources"]["gpus_per_node"], raw["launch"] = 1, {}
+    job.write_text(yaml.safe_dump(raw))
+    for entry in (["-m", "jobgen.train"], ["-m", "jobgen.probe"]):
+        result = subprocess.run([sys.executable, *entry, "--job", str(job)], cwd=job.parent,
+                                env=tools.subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        line = result.stderr.strip().splitlines()[-1]
+        assert "error: resources.gpus_per_node is 1 but CUDA is not usable on" in line
+        assert "set gpus_per_node: 0 and launch.procs_per_node for a CPU run" in line
+        assert tools.exit_report(job.parent)["reason"] == "failed"
+        assert not (job.parent / "output" / "checkpoints").exists()

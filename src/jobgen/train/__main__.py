@@ -63,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         info = RankInfo.from_env()
         job = load_job(args.job)
-        prepared = prepare(job, run_dir, info.world_size)
+        prepared = prepare(job, run_dir, info.world_size, info.local_rank)
         trainer = Trainer(prepared, info, stop, report)
         trainer.run()
         code = 0

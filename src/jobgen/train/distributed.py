@@ -1,9 +1,10 @@
 """Rank, world, device and the few collectives the trainer needs, from torchrun's environment.
 
-CUDA available: backend nccl, device cuda:LOCAL_RANK. Otherwise: gloo and the CPU. Everything else
-in the trainer is the same code on both. The process group gets a timeout
-(`JOBGEN_PG_TIMEOUT_MINUTES`, default 30) so a rank that dies cannot leave the others waiting
-forever.
+The job decides the device, not the host: `resources.gpus_per_node > 0` is nccl on
+cuda:LOCAL_RANK, and a host where CUDA is unusable is an error, not a silent CPU run; 0 is gloo on
+the CPU with the GPUs hidden, so a CPU job on a GPU host touches no GPU. Everything else in the
+trainer is the same code on both. The process group gets a timeout (`JOBGEN_PG_TIMEOUT_MINUTES`,
+default 30) so a rank that dies cannot leave the others waiting forever.
 """
 
 from __future__ import annotations
@@ -46,21 +47,78 @@ def pg_timeout() -> timedelta:
     return timedelta(minutes=minutes)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank computes: chosen by `place` before torch touches CUDA or DeepSpeed loads."""
+
+    cuda: bool
+    local_rank: int
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.cuda else "gloo"
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cuda", self.local_rank) if self.cuda else torch.device("cpu")
+
+
+def place(gpus_per_node: int, local_rank: int, precision: str) -> Placement:
+    """The device the job asked for on this rank, or a UserError that says why it cannot have it.
+
+    Call before anything initialises CUDA: it sets the variables CUDA and DeepSpeed read once.
+    """
+    if gpus_per_node == 0:
+        # Hidden, so that neither torch, DeepSpeed nor bitsandbytes picks a GPU of this host.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        return Placement(cuda=False, local_rank=local_rank)
+    # Every batch has another shape: without this the caching allocator fragments and a long run
+    # can fail out of memory with gigabytes reserved but unused.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    import socket
+
+    import torch
+
+    host = socket.gethostname()
+    if not torch.cuda.is_available():
+        built = f"torch {torch.__version__}, " + (f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build")
+        raise UserError(
+            f"resources.gpus_per_node is {gpus_per_node} but CUDA is not usable on {host} ({built}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): install the torch for "
+            f"this site's CUDA, or set gpus_per_node: 0 and launch.procs_per_node for a CPU run"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(
+            f"LOCAL_RANK {local_rank} but {host} shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): resources.gpus_per_node ({gpus_per_node}) is more than it has"
+        )
+    torch.cuda.set_device(local_rank)
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UserError(
+            f"training.precision bf16 needs a GPU with bf16 (compute capability 8.0 or newer); {host} has "
+            f"{torch.cuda.get_device_name(local_rank)}: use fp16"
+        )
+    if precision == "fp32":
+        # TF32 matmuls: the speed users of fp32 on Ampere and newer expect, as most trainers default to.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Placement(cuda=True, local_rank=local_rank)
+
+
 class Distributed:
     """An initialized process group (also for a single process without torchrun)."""
 
-    def __init__(self, info: RankInfo) -> None:
+    def __init__(self, info: RankInfo, placement: Placement) -> None:
         import torch
         import torch.distributed as dist
 
         self.rank, self.local_rank, self.world_size = info.rank, info.local_rank, info.world_size
-        self.cuda = torch.cuda.is_available()
-        self.backend = "nccl" if self.cuda else "gloo"
-        if self.cuda:
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
+        self.cuda, self.backend, self.device = placement.cuda, placement.backend, placement.device
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", str(self.rank))

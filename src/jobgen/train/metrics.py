@@ -5,7 +5,8 @@ every rank and micro-batch since the previous line (sum(loss*tokens)/sum(tokens)
 lr; tokens (input tokens of all ranks since the previous line, prompt included); tokens_per_s and
 samples_per_s (all ranks, over the steps' wall time); step_seconds_max/min (slowest and fastest
 rank's compute time of the last step); peak_memory_mb (largest over ranks: CUDA max allocated, or
-the process's max RSS on the CPU).
+the process's max RSS on the CPU); on a GPU also peak_reserved_mb (what the caching allocator held
+at most: the figure an out-of-memory is about) and host_peak_mb (the process's max RSS).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import sys
 from typing import Any, Optional
 
 
-def peak_memory_mb(cuda: bool) -> float:
+def host_peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def peak_memory_mb(cuda: bool) -> tuple[float, float]:
+    """(peak in use, peak held): CUDA allocated and reserved on a GPU, max RSS twice on the CPU."""
     if cuda:
         import torch
 
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+        return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
+    return host_peak_mb(), host_peak_mb()
 
 
 class MetricsWriter:

@@ -1,8 +1,10 @@
 """Loading the causal LM and its tokenizer, and turning it into what the method trains.
 
 full: every parameter trains. lora: a peft LoRA adapter on `training.lora.target_modules`.
-qlora: the base model loaded in 4-bit NF4 by bitsandbytes (`device_map` pins it to this rank's
-device), `prepare_model_for_kbit_training`, then the same LoRA adapter.
+qlora: the base model loaded in 4-bit NF4 by bitsandbytes, `prepare_model_for_kbit_training`,
+then the same LoRA adapter. Except under ZeRO-3 (which partitions while loading), `device_map`
+loads the weights straight onto this rank's device: without it every rank first builds the whole
+model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU node).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     global _zero3_config
     from transformers import AutoModelForCausalLM
 
+    _zero3_config = None
     if ds_config is not None and training.zero_stage == 3 and training.method != "qlora":
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -74,6 +77,7 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
         )
+    if _zero3_config is None:
         kwargs["device_map"] = {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(training.model, **kwargs)

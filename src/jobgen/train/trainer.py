@@ -28,11 +28,11 @@ from typing import Any, Optional
 from jobgen.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, TokenizedDataset, load_conversations
-from jobgen.train.distributed import Distributed, RankInfo
+from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest
 from jobgen.train.errors import UserError
 from jobgen.train.exit_report import ExitReport
-from jobgen.train.metrics import MetricsWriter, peak_memory_mb
+from jobgen.train.metrics import MetricsWriter, host_peak_mb, peak_memory_mb
 from jobgen.train.modeling import check_model_reference, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
 
@@ -65,6 +65,7 @@ class Prepared:
     run_dir: str
     output_dir: str
     precision: str
+    placement: Placement
     conversations: list[Conversation]
     ds_config: dict
     config_digest: str
@@ -78,10 +79,8 @@ def effective_precision(requested: str, cuda: bool) -> str:
     return requested
 
 
-def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
-    """Validate inputs identically on every rank; raises UserError."""
-    import torch
-
+def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Prepared:
+    """Validate inputs identically on every rank and place this one; raises UserError."""
     training = job.training
     model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
     resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
@@ -95,7 +94,8 @@ def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
     conversations = load_conversations(resolved.data)
-    precision = effective_precision(training.precision, torch.cuda.is_available())
+    placement = place(job.resources.gpus_per_node, local_rank, training.precision)
+    precision = effective_precision(training.precision, placement.cuda)
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
     per_rank = -(-len(conversations) // world_size)
     batches = -(-per_rank // training.per_device_batch_size)
@@ -111,6 +111,7 @@ def prepare(job: Job, run_dir: str, world_size: int) -> Prepared:
         run_dir=run_dir,
         output_dir=os.path.abspath(output_dir),
         precision=precision,
+        placement=placement,
         conversations=conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": ds_config}),
@@ -147,7 +148,7 @@ class Trainer:
         import torch
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        dist = self.dist = Distributed(self.info)
+        dist = self.dist = Distributed(self.info, self.p.placement)
         t = self.t
         os.makedirs(self.p.output_dir, exist_ok=True)
         store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
@@ -168,7 +169,10 @@ class Trainer:
             tokenizer = self.tokenizer = load_tokenizer(t.model)
             chat = ChatTokenizer(tokenizer, t.max_length)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
+            if dist.is_main:
+                log.info("model %s loaded in %.1f s", t.model, time.perf_counter() - loading)
         except UserError as exc:
             error = exc
         dist.raise_together(error)
@@ -192,10 +196,12 @@ class Trainer:
         self.engine, self.scheduler = engine, scheduler
         first_step = 0
         if found is not None:
+            loading = time.perf_counter()
             store.load(engine, found)
             first_step = int(found.state["step"])
             if dist.is_main:
-                log.info("resumed from %s (step %d)", found.path, first_step)
+                log.info("resumed from %s (step %d); checkpoint loaded in %.1f s", found.path, first_step,
+                         time.perf_counter() - loading)
         else:
             _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
         self.report.first_step = self.report.last_step = first_step
@@ -250,9 +256,9 @@ class Trainer:
                     time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
-                     peak_memory_mb(dist.cuda), float(self.stop.signum)]
+                     *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum)]
                 )
-                stop = self._note_signal(max(int(row[6]) for row in rows))
+                stop = self._note_signal(max(int(row[8]) for row in rows))
                 self._slowest_step = max(row[4] for row in rows)
                 wall = time.perf_counter() - started - p.step_delay
                 for key, column in (("loss_x_tokens", 0), ("tokens", 1), ("inputs", 2), ("samples", 3)):
@@ -273,6 +279,8 @@ class Trainer:
                         "step_seconds_max": max(row[4] for row in rows),
                         "step_seconds_min": min(row[4] for row in rows),
                         "peak_memory_mb": max(row[5] for row in rows),
+                        **({"peak_reserved_mb": max(row[6] for row in rows), "host_peak_mb": max(row[7] for row in rows)}
+                           if dist.cuda else {}),
                     })
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps:
@@ -365,16 +373,34 @@ class Trainer:
         return final
 
 
+# Cross-entropy is taken over chunks of about this many logits, each recomputed in the backward
+# pass: an fp32 copy of whole [batch, length, vocabulary] logits is gigabytes with a 128k-152k
+# vocabulary (1 GB per 2048-token sequence, twice over with log-softmax), a chunk is 256 MB.
+LOSS_CHUNK_ELEMENTS = 2**26
+
+
 def _token_loss_sum(engine: Any, batch: dict) -> Any:
     """Sum of the token cross-entropies over labelled tokens (labels are -100 elsewhere)."""
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    logits = logits[:, :-1].float()
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
+    # Position t predicts label t+1: shift the labels, not the logits, so the logits stay a view.
+    labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    logits = logits.reshape(-1, logits.size(-1))
+    rows = max(1, LOSS_CHUNK_ELEMENTS // logits.size(-1))
+    if rows >= logits.size(0):
+        return _cross_entropy_sum(logits, labels)
+    total = logits.new_zeros((), dtype=torch.float32)
+    for start in range(0, logits.size(0), rows):
+        total = total + checkpoint(_cross_entropy_sum, logits[start:start + rows], labels[start:start + rows], use_reentrant=False)
+    return total
+
+
+def _cross_entropy_sum(logits: Any, labels: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
 
 def _seed_all(seed: int) -> None:
