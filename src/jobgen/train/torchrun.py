@@ -1,21 +1,70 @@
-"""`jobgen-torchrun`: torchrun, minus the traceback when the job is stopped by a signal.
+"""`jobgen-torchrun`: torchrun, minus the traceback when the job is stopped by a signal, and with
+the ranks' grace period after that signal honoured on every torch jobgen allows.
 
 A scheduler that preempts or cancels a job (PBS, Slurm) sends SIGTERM to every process of the
-job. torchrun forwards it to the ranks, waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and then
+job. torchrun forwards it to the ranks, waits for them, SIGKILLs those still running, and then
 raises its SignalException out of main, which prints a Python traceback into the node's log for
-what is a normal stop. This runs torchrun's own main unchanged and turns that exception into one
-line; what the ranks did is in RUN_DIR/trainer-exit.json, which the batch script reads.
+what is a normal stop. This runs torchrun's own main and turns that exception into one line; what
+the ranks did is in RUN_DIR/trainer-exit.json, which the batch script reads.
+
+How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
+requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
+2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
+
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def torch_reads_shutdown_timeout() -> bool:
+    """True from torch 2.12 on, where torchrun itself reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    (torch.distributed.launcher.api.LaunchConfig gained `shutdown_timeout` then)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return any(field.name == "shutdown_timeout" for field in dataclasses.fields(LaunchConfig))
+
+
+def shutdown_timeout_from_env() -> int | None:
+    """The grace period TORCH_ELASTIC_SHUTDOWN_TIMEOUT asks for, or None when it is unset."""
+    value = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        sys.exit(f"jobgen-torchrun: {SHUTDOWN_TIMEOUT_ENV}={value!r}: expected a whole number of seconds")
+    return int(value)
+
+
+def honour_shutdown_timeout(seconds: int) -> None:
+    """On torch < 2.12, make torchrun wait `seconds` (not its fixed 30) for the ranks to exit after
+    it forwards a stop signal, before it SIGKILLs them.
+
+    Those releases' agent stops the ranks with `PContext.close(death_sig)` and leaves `timeout`
+    at its default of 30 (torch/distributed/elastic/agent/server/local_elastic_agent.py,
+    `_shutdown`); `close(death_sig, timeout)` itself is the same from 2.2 to 2.11. Only the default
+    changes here: a caller that passes a timeout keeps it.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_after_grace(self, death_sig=None, timeout=seconds):
+        return close(self, death_sig, timeout)
+
+    PContext.close = close_after_grace
 
 
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
+    grace = shutdown_timeout_from_env()
+    if grace is not None and not torch_reads_shutdown_timeout():
+        honour_shutdown_timeout(grace)
     try:
         torchrun_main()
     except SignalException as stop:

@@ -1,0 +1,87 @@
+"""jobgen-torchrun gives the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to checkpoint after a
+stop signal (node.sh sets it to requeue.warning_seconds), then SIGKILLs the ones still saving."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RANK = str(Path(__file__).with_name("slow_checkpoint_rank.py"))
+
+
+def wait_for_files(*paths: Path, proc: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        assert proc is None or proc.poll() is None, f"torchrun ended early:\n{proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"{[p.name for p in paths]} not there after {timeout} s"
+        time.sleep(0.1)
+
+
+def test_ranks_get_the_shutdown_timeout_to_checkpoint_then_are_killed(tmp_path: Path, tools) -> None:
+    # Rank 0 saves in 2 s, within the 4 s granted; rank 1 would take 60 s and is cut at 4 s,
+    # not at torch's default of 30 s: the grace period is the job's, both ways.
+    env = tools.subprocess_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="4", SAVE_SECONDS_0="2", SAVE_SECONDS_1="60")
+    command = [sys.executable, "-m", "jobgen.train.torchrun", "--standalone", "--nproc-per-node=2", RANK, str(tmp_path)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_files(tmp_path / "ready-0", tmp_path / "ready-1", proc=proc)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=40)[0]
+    finally:
+        proc.kill()
+    after_stop = time.monotonic() - stopped
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert (tmp_path / "saved-0").exists(), output
+    assert not (tmp_path / "saved-1").exists(), output
+    assert 4 <= after_stop < 20, f"torchrun ended {after_stop:.1f} s after SIGTERM:\n{output}"
+    assert "jobgen-torchrun: SIGTERM: the ranks were told to stop and have exited" in output
+    assert "Traceback" not in output
+
+
+def test_before_torch_2_12_the_wrapper_sets_the_timeout_torch_ignores(tmp_path: Path, monkeypatch) -> None:
+    # torch 2.2 to 2.11 stop the ranks with PContext.close(signal) and its fixed default of 30 s;
+    # this calls it that way, on this torch's real process context, after the wrapper's fix.
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from jobgen.train.torchrun import honour_shutdown_timeout
+
+    monkeypatch.setattr(PContext, "close", PContext.close)  # put back after the test
+    honour_shutdown_timeout(3)
+    ranks = start_processes(
+        "ranks", sys.executable, args={0: (RANK, str(tmp_path)), 1: (RANK, str(tmp_path))},
+        envs={rank: {"LOCAL_RANK": str(rank), "SAVE_SECONDS_0": "1", "SAVE_SECONDS_1": "60"} for rank in (0, 1)},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+    )
+    wait_for_files(tmp_path / "ready-0", tmp_path / "ready-1")
+    stopped = time.monotonic()
+    ranks.close(signal.SIGTERM)
+    after_stop = time.monotonic() - stopped
+    assert (tmp_path / "saved-0").exists()
+    assert not (tmp_path / "saved-1").exists()
+    assert 3 <= after_stop < 20, f"close() returned {after_stop:.1f} s after SIGTERM"
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "1.5"])
+def test_a_timeout_that_is_not_whole_seconds_is_refused_in_one_line(value: str, monkeypatch) -> None:
+    from jobgen.train.torchrun import shutdown_timeout_from_env
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", value)
+    with pytest.raises(SystemExit, match="expected a whole number of seconds"):
+        shutdown_timeout_from_env()
+
+
+def test_this_torch_reads_the_timeout_itself() -> None:
+    # pyproject allows torch >= 2.2; torch reads the variable itself from 2.12 on.
+    import torch
+
+    from jobgen.train.torchrun import torch_reads_shutdown_timeout
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert torch_reads_shutdown_timeout() == ((major, minor) >= (2, 12))
