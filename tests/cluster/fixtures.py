@@ -39,6 +39,10 @@ class SlurmTestCluster:
     default_partition: str = "debug"
     # A job here preempts (and, after GraceTime=30 s, requeues) running jobs in the default one.
     preempting_partition: str = "high"
+    # Declared exactly as this machine is, in a partition of their own: a task's CPU binding there
+    # is what it would be on a real node (on `nodes`, 128 CPUs map onto this machine's few).
+    binding_nodes: tuple[str, ...] = ("bind1", "bind2")
+    binding_partition: str = "bind"
     state_dir: Path = Path(os.environ.get("JOBGEN_SLURM_DIR", "/var/tmp/jobgen-slurm"))
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A real four-node Slurm 22.05 test cluster on this one machine, for jobgen's integration tests.
+# A real Slurm 22.05 test cluster on this one machine, for jobgen's integration tests: four
+# nodes like GPU nodes, and two that are exactly this machine for the CPU-binding tests.
 #
 #   tests/cluster/slurm-cluster.sh start    # idempotent: does nothing if the cluster is healthy
 #   tests/cluster/slurm-cluster.sh status   # prints sinfo; exit 0 if healthy, 1 if not
@@ -18,6 +19,15 @@
 #     steps get SIGTERM at once, and a job still running after the grace time is killed and
 #     requeued (a job that exits 0 within the grace time ends COMPLETED, not requeued);
 #   - a third partition `gpu`, like `debug` but not the default;
+#   - tasks are bound to CPUs as at most sites (TaskPlugin=task/affinity, Slurm's automatic
+#     binding; a job may ask for binding to cores itself, e.g. SLURM_CPU_BIND=cores). On node1..4
+#     the 128 CPUs are Slurm's bookkeeping: it binds a task to their images on this machine's few
+#     real CPUs (two allocated CPUs can land on one real CPU, and binding to cores cannot lay out
+#     a task of more CPUs than the machine has: "Unable to layout tasks on given cpus");
+#   - partition `bind` of nodes bind1 and bind2, declared exactly as this machine is (`slurmd
+#     -C`), 8 fake GPUs each and used by no other partition: there a task's CPU binding is that of
+#     a real node. Each has all of this machine's CPUs, so a job asking for all of them has one
+#     node to itself;
 #   - accounts `research` and `ml` (or none) are accepted and any other --account is refused at
 #     submission, by a job_submit.lua plugin: without an accounting daemon Slurm cannot tell a
 #     valid account from a bogus one itself. (Partition AllowAccounts=research,ml was tried:
@@ -30,7 +40,7 @@ set -euo pipefail
 
 STATE=${JOBGEN_SLURM_DIR:-/var/tmp/jobgen-slurm}
 CONF_DIR=/etc/slurm
-NODES=(node1 node2 node3 node4)
+NODES=(node1 node2 node3 node4 bind1 bind2)
 START_TIMEOUT_S=60
 STOP_TIMEOUT_S=20
 # Set when start-up fails; read by the EXIT trap so that a half-started cluster is stopped.
@@ -75,9 +85,14 @@ cluster_healthy() {
     done
 }
 
+# This machine's CPU layout as slurmd sees it (CPUs=2 Boards=1 SocketsPerBoard=1 ...).
+this_machine() {
+    slurmd -C | head -n 1 | grep -oE '(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=[0-9]+' | paste -sd ' '
+}
+
 slurm_conf() {
     cat <<EOF
-# Written by tests/cluster/slurm-cluster.sh: a four-node test cluster on one machine.
+# Written by tests/cluster/slurm-cluster.sh: a six-node test cluster on one machine.
 ClusterName=jobgen-test
 SlurmctldHost=localhost
 SlurmctldPort=6817
@@ -86,12 +101,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SwitchType=switch/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-# The machine has fewer cores than CPUs=4; trust the config so a job may run 2+ tasks per node.
+# The machine has fewer cores than CPUs=128; trust the config so real job files fit.
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
@@ -128,10 +143,12 @@ PreemptMode=REQUEUE
 
 GresTypes=gpu
 NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=128 RealMemory=2000000 Gres=gpu:8 State=UNKNOWN
+NodeName=bind[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17005-17006 $(this_machine) RealMemory=1000 Gres=gpu:8 State=UNKNOWN
 # AllowAccounts=ALL: a list of accounts needs slurmdbd; without it every job is refused.
 PartitionName=debug Nodes=node[1-4] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=high Nodes=node[1-4] PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=gpu Nodes=node[1-4] PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
+PartitionName=bind Nodes=bind[1-2] PriorityTier=1 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
 EOF
 }
 
@@ -160,7 +177,7 @@ gres_conf() {
     cat <<EOF
 # Written by tests/cluster/slurm-cluster.sh: fake GPUs (copies of /dev/null).
 AutoDetect=off
-NodeName=node[1-4] Name=gpu File=$STATE/dev/gpu[0-7]
+NodeName=node[1-4],bind[1-2] Name=gpu File=$STATE/dev/gpu[0-7]
 EOF
 }
 
@@ -188,8 +205,12 @@ write_config() {
 
 ensure_hosts() {
     # MASTER_ADDR=node1 must resolve for a rendezvous, as on a real cluster.
-    if ! grep -Eq '^127\.0\.0\.1([[:space:]].*)?[[:space:]]node1([[:space:]]|$)' /etc/hosts; then
-        echo "127.0.0.1 ${NODES[*]}" >>/etc/hosts
+    local node missing=()
+    for node in "${NODES[@]}"; do
+        grep -Eq "^127\.0\.0\.1([[:space:]].*)?[[:space:]]$node([[:space:]]|\$)" /etc/hosts || missing+=("$node")
+    done
+    if ((${#missing[@]})); then
+        echo "127.0.0.1 ${missing[*]}" >>/etc/hosts
     fi
 }
 
@@ -297,7 +318,7 @@ start_cluster() {
     start_daemons
     wait_for_idle || exit 1
     START_FAILED=0
-    echo "Slurm test cluster up: ${NODES[*]}, partitions debug (default) and high."
+    echo "Slurm test cluster up: ${NODES[*]}, partitions debug (default), high, gpu and bind."
 }
 
 stop_cluster() {
