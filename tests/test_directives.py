@@ -134,6 +134,8 @@ CONFLICTS = [
     ("slurm", "#SBATCH -J other", "#SBATCH --job-name=directives", "set name in the job file instead"),
     ("slurm", "#SBATCH --gres=gpu:a100:2", "#SBATCH --gpus-per-node=4", "set resources.gpus_per_node instead"),
     ("slurm", "#SBATCH -G 8", "#SBATCH --gpus-per-node=4", "set resources.gpus_per_node instead"),
+    # Always generated (one CPU per rank unless cpus_per_node says more): srun asks for it again.
+    ("slurm", "#SBATCH -c 8", "#SBATCH --cpus-per-task=4", "set resources.cpus_per_node instead"),
     ("slurm", "#SBATCH --mem-per-cpu=4G", "#SBATCH --mem=64G", "set resources.memory_per_node instead"),
     ("slurm", "#SBATCH -o x.out", "#SBATCH --output=%x-%j.out", ONE_LOG),
     ("slurm", "#SBATCH --no-requeue", "#SBATCH --requeue", "set requeue.enabled instead"),
@@ -169,9 +171,8 @@ def test_site_profile_directive_that_repeats_a_generated_option_is_refused_at_re
 ALLOWED = {
     "pbs": ["#PBS -m abe", "#PBS -M me@example.org", "#PBS -W group_list=ml", "#PBS -l software=abaqus"],
     "torque": ["#PBS -m abe", "#PBS -W group_list=ml"],
-    # --cpus-per-task and --exclusive pass while the job leaves them unset: jobgen generates neither.
-    "slurm": ["#SBATCH --mail-type=FAIL", "#SBATCH --reservation=ft", "#SBATCH --gres=nvme:1", "#SBATCH -c 4",
-              "#SBATCH --exclusive"],
+    # --exclusive passes while the job leaves it unset: jobgen does not generate it then.
+    "slurm": ["#SBATCH --mail-type=FAIL", "#SBATCH --reservation=ft", "#SBATCH --gres=nvme:1", "#SBATCH --exclusive"],
 }
 
 

@@ -67,7 +67,9 @@ class Resources(_Strict):
 
     nodes: int = Field(1, ge=1, le=4096)
     gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
-    cpus_per_node: Optional[int] = Field(None, ge=1, le=4096)
+    cpus_per_node: Optional[int] = Field(
+        None, ge=1, le=4096, description="defaults to one per process (launch.procs_per_node); more for data loader workers"
+    )
     memory_per_node: Optional[str] = Field(None, description="e.g. 480G")
     time_limit: str = Field("04:00:00", description="[D-]HH:MM:SS")
     partition: Optional[str] = Field(None, pattern=SCHEDULER_NAME, description="Slurm partition or PBS queue")
@@ -356,6 +358,11 @@ class Job(_Strict):
     @property
     def procs_per_node(self) -> int:
         return self.launch.procs_per_node or self.resources.gpus_per_node
+
+    @property
+    def cpus_per_node(self) -> int:
+        """CPUs asked for on each node: resources.cpus_per_node, else one per process."""
+        return self.resources.cpus_per_node or self.procs_per_node
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,7 @@
 """jobgen-probe: check a job's wiring in seconds, before spending GPU hours on it.
 
 Run in place of jobgen-train (`launch.entrypoint: jobgen-probe`). Every rank writes what it was
-given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host, LOADEDMODULES) to
+given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host, the CPUs it may run on, LOADEDMODULES) to
 RUN_DIR/probe/rank-R.json, then one all_reduce of rank+1 over every rank proves they reach each
 other: the sum must be W(W+1)/2. Rank 0 reports the outcome in trainer-exit.json, as the trainer does.
 """
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(total)
     expected = world * (world + 1) / 2
     record = {name: os.environ.get(name) for name in REPORTED}
+    # The CPUs this rank may run on: a task bound to fewer CPUs than the job asked for keeps ranks on one core.
+    record.update(cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     record.update(hostname=socket.gethostname(), backend=backend, device=str(device),
                   gpu=torch.cuda.get_device_name(device) if placement.cuda else None, all_reduce_sum=total.item(), expected_sum=expected)
     write_json_atomically(str(run_dir / "probe" / f"rank-{rank}.json"), record)

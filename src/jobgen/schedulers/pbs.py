@@ -38,7 +38,7 @@ class PbsPro(Scheduler):
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
-        chunk = [f"select={res.nodes}", f"ncpus={res.cpus_per_node or job.procs_per_node}"]
+        chunk = [f"select={res.nodes}", f"ncpus={job.cpus_per_node}"]
         if res.gpus_per_node:
             chunk.append(f"ngpus={res.gpus_per_node}")
         if res.memory_mb:

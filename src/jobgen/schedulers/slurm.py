@@ -52,8 +52,9 @@ class Slurm(Scheduler):
             # One task per node: srun starts torchrun once per node, torchrun starts the ranks.
             "--ntasks-per-node=1",
         ]
-        if res.cpus_per_node:
-            options.append(f"--cpus-per-task={res.cpus_per_node}")
+        # Always given, as PBS gets ncpus and Torque ppn: without it a job holds one CPU per node.
+        # The srun step asks for the same again (launchers.sh.j2).
+        options.append(f"--cpus-per-task={job.cpus_per_node}")
         if res.gpus_per_node:
             options.append(f"--gpus-per-node={res.gpus_per_node}")
         if res.memory_mb:

@@ -19,7 +19,7 @@ class Torque(PbsPro):
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
-        nodes = f"nodes={res.nodes}:ppn={res.cpus_per_node or job.procs_per_node}"
+        nodes = f"nodes={res.nodes}:ppn={job.cpus_per_node}"
         if res.gpus_per_node:
             nodes += f":gpus={res.gpus_per_node}"
         nodes += "".join(f":{name}" for name, value in res.chunk_resources.items() if value is True)
