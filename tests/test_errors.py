@@ -34,6 +34,18 @@ CASES = {
     "partition with a space": ("resources: {partition: 'gpu long'}\n" + BASE, "'resources.partition' is 'gpu long'"),
     "invalid yaml": ("training: [1\n", "invalid YAML at line 2"),
     "not a mapping": ("- a\n- b\n", "expected a mapping of keys"),
+    "ssh option that is not an option": (
+        "launch: {procs_per_node: 1, ssh_options: [myhost]}\ntraining: {model: m, data: d}\n",
+        "'launch.ssh_options' is ['myhost']: 'myhost' is not an ssh option; give options only",
+    ),
+    "ssh option that would detach the node": (
+        "launch: {procs_per_node: 1, ssh_options: [-p, '2222', -T]}\ntraining: {model: m, data: d}\n",
+        "ssh option -T is refused: the ssh launcher runs the node script in the foreground, on a terminal (-tt)",
+    ),
+    "ssh option without its value": (
+        "launch: {procs_per_node: 1, ssh_options: [-i]}\ntraining: {model: m, data: d}\n",
+        "ssh option -i needs a value after it",
+    ),
     "qlora with zero 3": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlora, zero_stage: 3}\n",
         "qlora does not work with training.zero_stage 3",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,6 +157,21 @@ def test_random_valid_jobs_render_scripts_that_pass_bash_and_shellcheck(job: dic
             path.write_text(text)
             files.append(path)
     assert shell_findings(*files) == ""
+
+
+@pytest.mark.parametrize("scheduler,launcher", [("pbs", "pbs_tmrsh"), ("pbs", "ssh"), ("pbs", "mpiexec"), ("torque", "ssh"), ("torque", "mpiexec")])
+def test_every_launcher_renders_scripts_that_pass_bash_and_shellcheck(tmp_path: Path, scheduler: str, launcher: str, shellcheck: str) -> None:
+    # The scheduler's default launchers are rendered by tests/test_examples.py; these run for real
+    # in tests/test_launchers.py.
+    job = cpu_job()
+    job["launch"].update(launcher=launcher, ssh_options=["-F", "/etc/my cluster/ssh_config $(touch PWNED)", "-p2222"])
+    job["environment"] = {"modules": ["cuda/12.4", "gcc@12.2"]}
+    script = render(resolve_job(write_job(tmp_path / "job.yaml", job)), scheduler)
+    (tmp_path / "job.sh").write_text(script)
+    (tmp_path / "node.sh").write_text(node_script_of(script))
+    assert shell_findings(tmp_path / "job.sh", tmp_path / "node.sh") == ""
+    if launcher == "ssh":
+        assert "exec ssh -F '/etc/my cluster/ssh_config $(touch PWNED)' -p2222 -tt -o BatchMode=yes" in script
 
 
 def test_layers_apply_in_order_defaults_site_job_set(tmp_path: Path) -> None:
