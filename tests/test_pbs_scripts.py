@@ -1,7 +1,7 @@
 """The rendered PBS Pro and Torque scripts, run for real on this machine with fake PBS commands.
 
-No PBS server can be installed here (none is packaged for Debian), so only `pbsdsh` and `qsub`
-are replaced, by small scripts that behave as ../shared/notes/pbs.md describes: a pbsdsh task
+No PBS server can be installed here (none is packaged for Debian), so only `pbsdsh`, `pbs_tmrsh`
+and `qsub` are replaced, by small scripts that behave as ../shared/notes/pbs.md describes: a task
 starts with a bare environment in $HOME, and qsub prints a job id. Everything else is real: the
 batch script, the per-node script, torchrun and the ranks. Test names say "fake_pbs".
 """
@@ -30,6 +30,23 @@ echo "$*" >> "$FAKE_PBS_LOG"
 while [[ $1 == -* ]]; do
   case $1 in -n|-h) shift 2 ;; --) shift; break ;; *) shift ;; esac
 done
+trap 'exit 1' TERM
+cd "$HOME"
+setsid env -i HOME="$HOME" PATH=/usr/bin:/bin PBS_JOBID="$PBS_JOBID" "$@" >> "$FAKE_PBS_SPOOL" 2>&1 < /dev/null &
+echo $! >> "$FAKE_PBS_TASKS"
+wait $!
+"""
+
+# pbs_tmrsh HOST CMD...: runs CMD on HOST as MoM runs a pbsdsh task (above), refusing a host that
+# is not in the job's nodefile, as PBS does; exits with the task's status. Records each call.
+FAKE_PBS_TMRSH = r"""#!/bin/bash
+echo "pbs_tmrsh $*" >> "$FAKE_PBS_LOG"
+host=$1
+shift
+if ! grep -qxF "$host" "$PBS_NODEFILE"; then
+  echo "pbs_tmrsh: host $host is not a node in job $PBS_JOBID" >&2
+  exit 1
+fi
 trap 'exit 1' TERM
 cd "$HOME"
 setsid env -i HOME="$HOME" PATH=/usr/bin:/bin PBS_JOBID="$PBS_JOBID" "$@" >> "$FAKE_PBS_SPOOL" 2>&1 < /dev/null &
@@ -77,7 +94,7 @@ def write_commands(folder: Path, commands: dict[str, str]) -> Path:
 
 @pytest.fixture
 def fake_pbs(tmp_path: Path):
-    bin_dir = write_commands(tmp_path / "fakebin", {"pbsdsh": FAKE_PBSDSH, "qsub": FAKE_QSUB})
+    bin_dir = write_commands(tmp_path / "fakebin", {"pbsdsh": FAKE_PBSDSH, "pbs_tmrsh": FAKE_PBS_TMRSH, "qsub": FAKE_QSUB})
     slurm_dir = write_commands(tmp_path / "slurmbin", {"qsub": SLURM_QSUB})
     home = tmp_path / "home"
     home.mkdir()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import cannot_run
+
 CLUSTER_SCRIPT = Path(__file__).with_name("slurm-cluster.sh")
 
 # Jobs that tests submit are named with this prefix, so that teardown cancels them and nothing else.
@@ -46,12 +48,6 @@ class SlurmTestCluster:
     state_dir: Path = Path(os.environ.get("JOBGEN_SLURM_DIR", "/var/tmp/jobgen-slurm"))
 
 
-def _cannot_run(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the Slurm tests, but: {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 def _cancel_test_jobs() -> None:
     listing = subprocess.run(
         ["squeue", "--noheader", "--format=%A %j"],
@@ -77,9 +73,9 @@ def slurm_cluster():
         capture_output=True, text=True, timeout=180, check=False,
     )
     if started.returncode == _EXIT_NOT_ROOT:
-        _cannot_run(NEEDS_ROOT)
+        cannot_run(NEEDS_ROOT)
     if started.returncode == _EXIT_NO_PACKAGES:
-        _cannot_run(NEEDS_PACKAGES)
+        cannot_run(NEEDS_PACKAGES)
     if started.returncode != 0:
         pytest.fail(
             f"{CLUSTER_SCRIPT} start exited {started.returncode}:\n"
