@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from tests.helpers import cannot_run, jobgen
-from tests.test_pbs_scripts import fake_pbs, probe_job, run_pbs_script  # noqa: F401 (fake_pbs: a fixture)
+from tests.test_pbs_scripts import fake_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (fake_pbs: a fixture)
 from tests.test_slurm_submit import probe_job as slurm_probe_job
 from tests.test_slurm_submit import probe_records, submit_by_hand, wait_until_finished
 
@@ -214,6 +214,17 @@ def test_fake_pbs_mpiexec_every_rank_has_the_module(mpi: Mpi, module_system: dic
     # One slot per node of the job on each host, in the syntax of the MPI at hand.
     hostfile = (run_dir / "hosts.123.fakeserver").read_text()
     assert hostfile == {"openmpi": "127.0.0.1 slots=2\n", "mpich": "127.0.0.1:2\n"}[mpi.name]
+
+
+def test_fake_pbs_an_mpiexec_jobgen_does_not_know_is_refused_in_one_line(tmp_path: Path, fake_pbs: dict) -> None:
+    # Debian's slurm-wlm-torque, for one, installs Slurm's own mpiexec wrapper as `mpiexec`.
+    other = write_commands(tmp_path / "otherbin", {"mpiexec": "#!/bin/sh\necho 'Unknown option: version' >&2\nexit 1\n"})
+    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec", modules=()), TWO_NODES, {**fake_pbs, "PATH": f"{other}:{fake_pbs['PATH']}"}, timeout=60)
+    assert result.returncode == 2
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    said = [line for line in batch_log(run_dir).splitlines() if "mpiexec on PATH" in line]
+    assert said == [f"jobgen: the mpiexec on PATH ({other}/mpiexec) is neither Open MPI's nor MPICH's or Intel MPI's (hydra), "
+                    "which jobgen knows how to start one process per node with; 'mpiexec --version' says: Unknown option: version"]
 
 
 @pytest.mark.usefixtures("slurm_cluster")
