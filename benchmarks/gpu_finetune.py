@@ -54,6 +54,10 @@ SHAPES = {
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False)
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
+# The plain loop, and the steps from it to jobgen's loop, one change each, to find a gap:
+# `chunked` takes jobgen's loss (trainer._token_loss_sum), `ds` runs the step through DeepSpeed
+# ZeRO-2 with jobgen's config (`nooverlap`: overlap_comm off).
+VARIANTS = ("plain", "plain-chunked", "ds", "ds-nooverlap", "ds-chunked", "ds-noclip", "ds-stage0", "ds-profile", "ds-check")
 
 
 def main() -> int:
@@ -64,6 +68,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script")
     parser.add_argument("--plain", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--variant", default="plain", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plain:
@@ -147,7 +152,7 @@ class Bench:
             ("qlora", lambda: self.train("qlora", "8b", "qlora", max(steps // 2, 6), gc=True)),
             ("full-1b", lambda: self.full_with_resume("full-1b", steps)),
             ("lora-gc", lambda: self.stop_and_resume("lora-gc", "8b", steps + 10, stop_at=steps // 2)),
-        ]
+        ] + [(f"variant-{v}", lambda v=v: self.plain(f"variant-{v}", "8b", 20, gc=False, variant=v)) for v in VARIANTS]
         failed = 0
         for name, run in runs:
             if not self.wanted(name):
@@ -247,9 +252,9 @@ class Bench:
         shutil.rmtree(self.run_dir(name) / "output" / "checkpoints", ignore_errors=True)
         return result
 
-    def plain(self, name: str, shape: str, steps: int, gc: bool) -> dict:
+    def plain(self, name: str, shape: str, steps: int, gc: bool, variant: str = "plain") -> dict:
         command = [sys.executable, __file__, "--out", str(self.out / name), "--plain", self.model(shape), self.data,
-                   "--steps", str(steps)] + (["--smoke"] if self.smoke else [])
+                   "--steps", str(steps), "--variant", variant] + (["--smoke"] if self.smoke else [])
         with open(self.out / f"{name}.log", "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1500, check=True)
         result = json.loads((self.out / name / "plain.json").read_text())
@@ -364,24 +369,60 @@ def plain_loop(args: argparse.Namespace) -> int:
     model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                              target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=not args.smoke)
+    variant = args.variant
+    if variant.startswith("ds"):
+        import deepspeed
+
+        from jobgen.models import Training
+        from jobgen.train.dsconfig import build_config
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+        deepspeed.init_distributed(dist_backend="gloo" if args.smoke else "nccl")
+        training = Training(model=model_dir, data=data, zero_stage=2, precision="fp32" if args.smoke else "bf16",
+                            learning_rate=1e-4, lr_schedule="constant")
+        config = build_config(training, 1, training.precision, None)
+        config["zero_optimization"]["overlap_comm"] = variant != "ds-nooverlap"
+        if variant == "ds-check":  # DeepSpeed's default: check every gradient for inf/NaN
+            config["bf16"].pop("check_grad_overflow", None)
+        if variant == "ds-noclip":
+            config["gradient_clipping"] = 0.0
+        if variant == "ds-stage0":
+            config["zero_optimization"]["stage"] = 0
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=not args.smoke)
     model.train()
     times, losses, tokens = [], [], []
+    profiler = None
     for step in range(args.steps):
+        if variant == "ds-profile" and step == 8:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         batch = {k: v.to(device) for k, v in dataset.collate([step]).items()}
         started = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=not args.smoke):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if variant.startswith("ds"):
+            loss = _loss(engine, batch, chunked=variant.endswith("chunked"))
+            engine.backward(loss)
+            engine.step()
+        else:
+            with torch.autocast(device.type, dtype=dtype, enabled=not args.smoke):
+                loss = _loss(model, batch, chunked=variant.endswith("chunked"))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # synchronises, as jobgen's per-step collective does
         times.append(time.perf_counter() - started)
         tokens.append(int(batch["attention_mask"].sum()))
+        if profiler is not None and step == 10:
+            profiler.__exit__(None, None, None)
+            averages = profiler.key_averages()
+            report = [averages.table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", "self_device_time_total")]
+            (args.out / "profile.txt").write_text("\n\n".join(report))
+            profiler = None
     rates = [n / t for n, t in zip(tokens[WARMUP_STEPS:], times[WARMUP_STEPS:])]
     result = {
-        "steps": args.steps, "tokens_per_s": statistics.median(rates),
+        "variant": variant, "steps": args.steps, "tokens_per_s": statistics.median(rates),
         "step_seconds_median": statistics.median(times[WARMUP_STEPS:]),
         "loss": {i + 1: round(l, 5) for i, l in enumerate(losses)},
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if not args.smoke else None,
@@ -389,6 +430,14 @@ def plain_loop(args: argparse.Namespace) -> int:
     }
     (args.out / "plain.json").write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _loss(model, batch: dict, chunked: bool):
+    if not chunked:
+        return model(**batch).loss
+    from jobgen.train.trainer import _token_loss_sum
+
+    return _token_loss_sum(model, batch) / (batch["labels"][:, 1:] != -100).sum()
 
 
 if __name__ == "__main__":
