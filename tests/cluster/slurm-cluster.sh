@@ -20,10 +20,10 @@
 #     requeued (a job that exits 0 within the grace time ends COMPLETED, not requeued);
 #   - a third partition `gpu`, like `debug` but not the default;
 #   - tasks are bound to CPUs as at most sites (TaskPlugin=task/affinity, Slurm's automatic
-#     binding; a job may ask for binding to cores itself, e.g. SLURM_CPU_BIND=cores). On node1..4
-#     the 128 CPUs are Slurm's bookkeeping: it binds a task to their images on this machine's few
-#     real CPUs (two allocated CPUs can land on one real CPU, and binding to cores cannot lay out
-#     a task of more CPUs than the machine has: "Unable to layout tasks on given cpus");
+#     binding; a job may ask for binding to cores itself, e.g. SLURM_CPU_BIND=cores). Not on
+#     node1..4 (CpuBind=none): their 128 CPUs are Slurm's bookkeeping, and binding would map a task
+#     onto images of this machine's few real CPUs, or fail to lay out one of more CPUs than the
+#     machine has ("Unable to layout tasks on given cpus": every exclusive job there);
 #   - partition `bind` of nodes bind1 and bind2, declared exactly as this machine is (`slurmd
 #     -C`), 8 fake GPUs each and used by no other partition: there a task's CPU binding is that of
 #     a real node. Each has all of this machine's CPUs, so a job asking for all of them has one
@@ -142,7 +142,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 
 GresTypes=gpu
-NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=128 RealMemory=2000000 Gres=gpu:8 State=UNKNOWN
+NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=128 RealMemory=2000000 Gres=gpu:8 CpuBind=none State=UNKNOWN
 NodeName=bind[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17005-17006 $(this_machine) RealMemory=1000 Gres=gpu:8 State=UNKNOWN
 # AllowAccounts=ALL: a list of accounts needs slurmdbd; without it every job is refused.
 PartitionName=debug Nodes=node[1-4] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL

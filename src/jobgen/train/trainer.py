@@ -250,19 +250,15 @@ class Trainer:
                     loss_x_tokens = loss_x_tokens + loss_sum.detach()
                     tokens += n
                 loss_x_tokens = float(loss_x_tokens)
-                grad_norm = engine.get_global_grad_norm()
                 compute_seconds = time.perf_counter() - started
                 step += 1
                 if p.step_delay:
                     time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
-                     *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum),
-                     0.0 if grad_norm is None else float(grad_norm)]
+                     *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum)]
                 )
-                # fp16 overflows are DeepSpeed's to skip (its loss scale adapts); the loss is fp32 anyway.
-                norms = [row[9] for row in rows] if p.precision != "fp16" else []
-                check_finite(step, [row[0] for row in rows] + norms, self.report.checkpoint)
+                check_finite(step, [row[0] for row in rows], self.report.checkpoint)
                 stop = self._note_signal(max(int(row[8]) for row in rows))
                 self._slowest_step = max(row[4] for row in rows)
                 wall = time.perf_counter() - started - p.step_delay
@@ -408,12 +404,13 @@ def _cross_entropy_sum(logits: Any, labels: Any) -> Any:
     return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
 
-def check_finite(step: int, values: list[float], checkpoint: Optional[str]) -> None:
-    """Before anything is saved: a non-finite loss or gradient norm on any rank ends the run, so no
-    checkpoint of diverged weights replaces the last good one."""
-    if not all(math.isfinite(v) for v in values):
+def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> None:
+    """Before anything is saved: a non-finite loss (computed in fp32) on any rank ends the run, so
+    no checkpoint of diverged weights replaces the last good one. A non-finite gradient is
+    DeepSpeed's to skip (its overflow check, on for bf16 and fp16)."""
+    if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(
-            f"training diverged at step {step}: the loss or gradient norm is not finite (lower "
+            f"training diverged at step {step}: the loss is not finite (lower "
             f"training.learning_rate, or use bf16 instead of fp16); the last checkpoint, {checkpoint or 'none'}, is kept"
         )
 
