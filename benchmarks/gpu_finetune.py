@@ -68,6 +68,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script")
     parser.add_argument("--plain", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (lora and plain-lora)")
     parser.add_argument("--variant", default="plain", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +148,7 @@ class Bench:
         runs = [
             ("probe-gpu", lambda: self.probe("probe-gpu", gpus=1)),
             ("probe-cpu-job", lambda: self.probe("probe-cpu-job", gpus=0, procs=2)),
-            ("lora", lambda: self.train("lora", "8b", "lora", steps, gc=False)),
+            ("lora", lambda: self.train("lora", "8b", "lora", steps, gc=False, per_device_batch_size=self.args.batch)),
             ("plain-lora", lambda: self.plain("plain-lora", "8b", steps, gc=False)),
             ("qlora", lambda: self.train("qlora", "8b", "qlora", max(steps // 2, 6), gc=True)),
             ("full-1b", lambda: self.full_with_resume("full-1b", steps)),
@@ -254,7 +255,7 @@ class Bench:
 
     def plain(self, name: str, shape: str, steps: int, gc: bool, variant: str = "plain") -> dict:
         command = [sys.executable, __file__, "--out", str(self.out / name), "--plain", self.model(shape), self.data,
-                   "--steps", str(steps), "--variant", variant] + (["--smoke"] if self.smoke else [])
+                   "--steps", str(steps), "--variant", variant, "--batch", str(self.args.batch)] + (["--smoke"] if self.smoke else [])
         with open(self.out / f"{name}.log", "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1500, check=True)
         result = json.loads((self.out / name / "plain.json").read_text())
@@ -398,7 +399,7 @@ def plain_loop(args: argparse.Namespace) -> int:
         if variant == "ds-profile" and step == 8:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-        batch = {k: v.to(device) for k, v in dataset.collate([step]).items()}
+        batch = {k: v.to(device) for k, v in dataset.collate(range(step * args.batch, (step + 1) * args.batch)).items()}
         started = time.perf_counter()
         if variant.startswith("ds"):
             loss = _loss(engine, batch, chunked=variant.endswith("chunked"))
