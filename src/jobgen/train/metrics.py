@@ -15,7 +15,10 @@ import json
 import os
 import resource
 import sys
+import time
 from typing import Any, Optional
+
+STARTUP_FILE = "startup.jsonl"
 
 
 def host_peak_mb() -> float:
@@ -29,6 +32,50 @@ def peak_memory_mb(cuda: bool) -> tuple[float, float]:
 
         return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
     return host_peak_mb(), host_peak_mb()
+
+
+def process_start_time() -> float:
+    """Unix time this process started (Linux: /proc), so the interpreter's own start is counted;
+    elsewhere, the time of the first call."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat", encoding="ascii") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class StartupClock:
+    """Where a segment's time to its first new step goes: `mark(phase)` closes a phase at each
+    milestone, from the process's start. Phases: imports (interpreter, torch, DeepSpeed,
+    transformers, peft), process group (and finding the checkpoint), model load (tokenizer, data,
+    weights, adapters), deepspeed init, checkpoint load, first step."""
+
+    def __init__(self) -> None:
+        self.started = process_start_time()
+        self.last = self.started
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self.last, 3)
+        self.last = now
+
+    def record(self, output_dir: str, first_step: int) -> dict:
+        """Rank 0: one line in OUTPUT_DIR/startup.jsonl (read by `jobgen status` and `jobgen plot`)."""
+        entry = {
+            "job_id": os.environ.get("JOBGEN_JOB_ID"), "restart": int(os.environ.get("JOBGEN_RESTART_COUNT", "0") or 0),
+            "first_step": first_step, "started": round(self.started, 3), "total": round(self.last - self.started, 3),
+            "seconds": self.seconds,
+        }
+        with open(os.path.join(output_dir, STARTUP_FILE), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        return entry
+
+    def summary(self) -> str:
+        return ", ".join(f"{phase} {value:.1f}" for phase, value in self.seconds.items())
 
 
 class MetricsWriter:

@@ -27,18 +27,19 @@ from typing import Any, Optional
 
 from jobgen.models import Job, Training
 from jobgen.train import checkpoint as ckpt
-from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, TokenizedDataset, load_conversations
+from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, MicroBatches, TokenizedDataset, load_conversations
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest
 from jobgen.train.errors import UserError
 from jobgen.train.exit_report import ExitReport
-from jobgen.train.metrics import MetricsWriter, host_peak_mb, peak_memory_mb
+from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.train.modeling import check_model_reference, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
 
 log = logging.getLogger("jobgen.train")
 
 # Settings that may change between a checkpoint and its resumption without breaking exact resume.
+# max_steps and epochs set the LR schedule's total, which is checked on its own (check_schedule_total).
 RESUME_SAFE_FIELDS = {
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
     "output_dir", "step_seconds_estimate",
@@ -119,20 +120,47 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     )
 
 
-def lr_factor(schedule: str, warmup: int, total: int):
-    """Multiplier of the peak learning rate after `step` optimizer steps (transformers' shapes)."""
+def total_steps_of(training: Training, batches_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: max_steps when set (the data cycles, epoch after epoch, as
+    in the Hugging Face Trainer), else every whole step of `epochs` passes."""
+    if training.max_steps is not None:
+        return training.max_steps
+    return (batches_per_epoch * training.epochs) // training.gradient_accumulation
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        if schedule == "constant":
+
+class lr_factor:
+    """Multiplier of the peak learning rate after `step` optimizer steps (transformers' shapes).
+    An object, not a closure, so that LambdaLR's state_dict carries schedule, warmup and total
+    into every checkpoint."""
+
+    def __init__(self, schedule: str, warmup: int, total: int) -> None:
+        self.schedule, self.warmup, self.total = schedule, warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return step / max(1, self.warmup)
+        if self.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.schedule == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return factor
+
+def check_schedule_total(found_state: dict, factor: lr_factor, checkpoint_name: str) -> None:
+    """A resumed run must follow the LR curve the checkpoint's run was on: a different total
+    (max_steps, or epochs without max_steps) bends it from the resume point on, and the run would
+    match neither its first plan nor its new one. A constant schedule has no total to bend."""
+    saved = (found_state.get("lr_scheduler", {}).get("lr_lambdas") or [None])[0]
+    if not isinstance(saved, dict) or "total" not in saved or factor.schedule == "constant":
+        return
+    if saved["total"] != factor.total:
+        raise UserError(
+            f"training.max_steps: checkpoint {checkpoint_name} belongs to a run of {saved['total']} steps on a "
+            f"{factor.schedule} schedule, this job has {factor.total} (from max_steps, or epochs when max_steps is "
+            f"unset), which would change the learning rate from the resume point on: set max_steps: {saved['total']} "
+            "to resume, or use a new training.output_dir to start a run of the new length"
+        )
 
 
 class Trainer:
@@ -141,12 +169,20 @@ class Trainer:
         self.t = prepared.training
         self._slowest_step = 0.0
         self._warned_slow_stop = False
+        self.clock = StartupClock()  # from the process's start: a restart's cost, phase by phase
 
     # --------------------------------------------------------------- set-up
     def run(self) -> None:
+        clock = self.clock
+        clock.mark("start and job check")
         import deepspeed
         import torch
+        import transformers  # noqa: F401 - imported here, so that "imports" holds every import
 
+        if self.t.method != "full":
+            import peft  # noqa: F401
+
+        clock.mark("imports")
         deepspeed.utils.logger.setLevel(logging.WARNING)
         dist = self.dist = Distributed(self.info, self.p.placement)
         t = self.t
@@ -163,12 +199,18 @@ class Trainer:
             error = exc
         dist.raise_together(error)
         self.report.checkpoint = found.path if found else None
+        clock.mark("process group")
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
             tokenizer = self.tokenizer = load_tokenizer(t.model)
             chat = ChatTokenizer(tokenizer, t.max_length)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            batches = MicroBatches.build(
+                dataset, dist.world_size, dist.rank, t.per_device_batch_size, t.seed, t.group_by_length,
+                t.max_length if t.packing else None,
+            )
+            _check_enough_batches(batches, t)
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
@@ -176,16 +218,18 @@ class Trainer:
         except UserError as exc:
             error = exc
         dist.raise_together(error)
+        clock.mark("model load")
 
-        order = BatchOrder(
-            len(dataset), dist.world_size, dist.rank, t.per_device_batch_size, t.seed,
-            dataset.lengths if t.group_by_length else None,
-        )
+        order = batches.order
         steps_per_epoch = order.batches_per_epoch // t.gradient_accumulation
-        total_steps = (order.batches_per_epoch * t.epochs) // t.gradient_accumulation
-        if t.max_steps is not None:
-            total_steps = min(total_steps, t.max_steps)
+        total_steps = total_steps_of(t, order.batches_per_epoch)
         factor = lr_factor(t.lr_schedule, t.warmup_steps, total_steps)
+        if found is not None:
+            try:
+                check_schedule_total(found.state, factor, os.path.basename(found.path))
+            except UserError as exc:
+                error = exc
+            dist.raise_together(error)
         trainable = [p for p in model.parameters() if p.requires_grad]
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,
@@ -194,6 +238,7 @@ class Trainer:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
         )
         self.engine, self.scheduler = engine, scheduler
+        clock.mark("deepspeed init")
         first_step = 0
         if found is not None:
             loading = time.perf_counter()
@@ -204,6 +249,7 @@ class Trainer:
                          time.perf_counter() - loading)
         else:
             _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
+        clock.mark("checkpoint load")
         self.report.first_step = self.report.last_step = first_step
         if dist.is_main:
             log.info(
@@ -211,7 +257,7 @@ class Trainer:
                 t.method, t.zero_stage, self.p.precision, dist.world_size, total_steps, steps_per_epoch,
                 sum(p.numel() for p in trainable),
             )
-        self._loop(engine, dataset, order, first_step, total_steps)
+        self._loop(engine, batches, first_step, total_steps)
 
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
@@ -219,8 +265,9 @@ class Trainer:
         return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
 
     # ----------------------------------------------------------------- loop
-    def _loop(self, engine: Any, dataset: TokenizedDataset, order: BatchOrder, first_step: int, total_steps: int) -> None:
+    def _loop(self, engine: Any, batches: MicroBatches, first_step: int, total_steps: int) -> None:
         dist, t, p = self.dist, self.t, self.p
+        dataset, order = batches.dataset, batches.order
         accumulation = t.gradient_accumulation
         metrics = MetricsWriter(p.output_dir, dist.is_main, t.tensorboard, total_steps, first_step)
         sample_log = _sample_log(p.output_dir, dist.rank)
@@ -235,11 +282,11 @@ class Trainer:
                 loss_x_tokens, tokens, inputs, samples = 0.0, 0, 0, 0
                 for micro in range(accumulation):
                     epoch, index = divmod(step * accumulation + micro, order.batches_per_epoch)
-                    indices = order.batch(epoch, index)
-                    cpu_batch = dataset.collate(indices)
+                    indices = batches.samples(epoch, index)
+                    cpu_batch = batches.collate(epoch, index)
                     # Counted on the host copy, so the GPU path has no extra synchronisation.
                     n = int((cpu_batch["labels"][:, 1:] != -100).sum())
-                    inputs += int(cpu_batch["attention_mask"].sum())
+                    inputs += dataset.tokens(indices)
                     samples += len(indices)
                     batch = {k: v.to(dist.device, non_blocking=True) for k, v in cpu_batch.items()}
                     if sample_log:
@@ -266,6 +313,8 @@ class Trainer:
                     interval[key] += sum(row[column] for row in rows)
                 interval["seconds"] += wall
                 self.report.last_step = step
+                if step == first_step + 1:
+                    self._record_startup(first_step)
                 metrics.advance()
                 if step % t.logging_interval == 0 or step == total_steps or stop:
                     metrics.write({
@@ -302,6 +351,12 @@ class Trainer:
         final = self._save_final()
         self.report.reason = "completed"
         self.report.message = f"completed {step} steps; final model in {final}"
+
+    def _record_startup(self, first_step: int) -> None:
+        self.clock.mark("first step")
+        if self.dist.is_main:
+            entry = self.clock.record(self.p.output_dir, first_step)
+            log.info("start to step %d in %.1f s: %s", first_step + 1, entry["total"], self.clock.summary())
 
     def _agree_stop(self, step: int) -> bool:
         rows = self.dist.all_gather_floats([float(self.stop.signum)])
@@ -385,7 +440,8 @@ def _token_loss_sum(engine: Any, batch: dict) -> Any:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # Packed batches carry position_ids and no attention_mask (see jobgen.train.data).
+    logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
     # Position t predicts label t+1: shift the labels, not the logits, so the logits stay a view.
     labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
     logits = logits.reshape(-1, logits.size(-1))
@@ -402,6 +458,15 @@ def _cross_entropy_sum(logits: Any, labels: Any) -> Any:
     import torch
 
     return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+def _check_enough_batches(batches: MicroBatches, t: Training) -> None:
+    if batches.batches_per_epoch < t.gradient_accumulation:
+        unit = "packed rows" if t.packing else "conversations"
+        raise UserError(
+            f"{t.data}: the data makes {batches.batches_per_epoch} micro-batches of {unit} per rank, fewer than "
+            f"training.gradient_accumulation ({t.gradient_accumulation}): no optimizer step could run"
+        )
 
 
 def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> None:
