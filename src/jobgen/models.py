@@ -280,8 +280,13 @@ class Training(_Strict):
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
-    epochs: int = Field(1, ge=1)
-    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
+    epochs: int = Field(1, ge=1, description="passes over the data; ignored when max_steps is set")
+    max_steps: Optional[int] = Field(
+        None, ge=1,
+        description="train exactly this many optimizer steps: overrides epochs and cycles the data epoch after epoch, "
+        "as max_steps does in the Hugging Face Trainer; the LR schedule ends at it. A checkpoint resumes only "
+        "with the same total steps (unless lr_schedule is constant)",
+    )
     max_length: int = Field(2048, ge=8)
     save_interval: int = Field(200, ge=1, description="optimizer steps between periodic checkpoints")
     keep_checkpoints: int = Field(2, ge=1)
@@ -292,6 +297,12 @@ class Training(_Strict):
     lora: Lora = Field(default_factory=Lora)
     gradient_checkpointing: bool = False
     group_by_length: bool = False
+    packing: bool = Field(
+        False,
+        description="pack several conversations into each row of up to max_length tokens, each attending only to "
+        "itself (position ids restart per conversation), with the same loss as unpacked: for data of many short "
+        "conversations, where padding would be most of the compute. per_device_batch_size then counts rows",
+    )
     seed: int = 42
     logging_interval: int = Field(1, ge=1)
     tensorboard: bool = False
