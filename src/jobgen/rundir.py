@@ -9,7 +9,8 @@
                                 JOBID-nodeK.out (node K: torchrun, rank 0), JOBID-rankR.out
     RUN_DIR/output/             the trainer's checkpoints, metrics and final weights
 
-An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen) maps job ids to run directories.
+The names are jobgen.runfiles'. An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen)
+maps job ids to run directories.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobgen import runfiles
 from jobgen.errors import JobgenError
 
 
@@ -34,34 +36,34 @@ class RunDir:
 
     @property
     def job_file(self) -> Path:
-        return self.path / "job.yaml"
+        return self.path / runfiles.JOB_FILE
 
     def script(self, scheduler: str) -> Path:
-        return self.path / f"job.{scheduler}.sh"
+        return self.path / runfiles.script(scheduler)
 
     @property
     def submission_text(self) -> Path:
-        return self.path / "submission.txt"
+        return self.path / runfiles.SUBMISSION_TEXT
 
     @property
     def logs(self) -> Path:
-        return self.path / "logs"
+        return self.path / runfiles.LOGS
 
     def submissions(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.path / "submissions.jsonl")
+        return _read_jsonl(self.path / runfiles.SUBMISSIONS)
 
     def segments(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.path / "segments.jsonl")
+        return _read_jsonl(self.path / runfiles.SEGMENTS)
 
     def latest(self) -> dict[str, Any]:
         found = self.submissions()
         if not found:
-            raise JobgenError(f"{self.path} has no submissions.jsonl: it was not made by `jobgen submit`")
+            raise JobgenError(f"{self.path} has no {runfiles.SUBMISSIONS}: it was not made by `jobgen submit`")
         return found[-1]
 
     def record_submission(self, job_id: str, scheduler: str, **extra: Any) -> dict[str, Any]:
         entry = {"job_id": job_id, "scheduler": scheduler, "submitted_at": _now(), **extra}
-        _append_jsonl(self.path / "submissions.jsonl", entry)
+        _append_jsonl(self.path / runfiles.SUBMISSIONS, entry)
         _append_jsonl(_state_dir() / "index.jsonl", {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
         return entry
 
@@ -71,7 +73,7 @@ def find_run(target: str) -> RunDir:
     path = Path(target)
     # logs/ is the first thing a batch script makes: a job that stopped before its first
     # segment (wrong node count, say) has only its log to show.
-    if any((path / name).exists() for name in ("submissions.jsonl", "segments.jsonl", "logs")):
+    if any((path / name).exists() for name in (runfiles.SUBMISSIONS, runfiles.SEGMENTS, runfiles.LOGS)):
         return RunDir(path.resolve())
     for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
         if entry.get("job_id") == target:

@@ -16,12 +16,14 @@ import subprocess
 import sys
 from typing import TextIO
 
+from jobgen.runfiles import rank_log
+
 
 _tee: "subprocess.Popen[bytes] | None" = None
 
 
 def rank_log_path(run_dir: str, job_id: str, rank: int) -> str:
-    return os.path.join(run_dir, "logs", f"{job_id}-rank{rank}.out")
+    return os.path.join(run_dir, rank_log(job_id, rank))
 
 
 def route_output(run_dir: str, job_id: str, rank: int) -> TextIO:

@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Optional
 
-EXIT_FILE = "trainer-exit.json"
+from jobgen.runfiles import TRAINER_EXIT
+
+EXIT_FILE = TRAINER_EXIT
 
 
 def now_iso() -> str:

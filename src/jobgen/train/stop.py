@@ -16,8 +16,10 @@ import os
 import signal
 from typing import Optional
 
+from jobgen.runfiles import STOP_REQUESTED
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-STOP_FILE = "stop-requested"
+STOP_FILE = STOP_REQUESTED
 # Not a signal number (they end at 64): the stop file, carried in the same collective.
 STOP_FILE_REQUEST = 256
 
