@@ -11,6 +11,7 @@ from typing import Optional
 import click
 
 from jobgen.errors import JobgenError
+from jobgen.sites_cli import sites
 from jobgen.startup import skip_startup_costs
 
 SCHEDULER_CHOICES = ["slurm", "pbs", "torque", "local"]
@@ -30,12 +31,15 @@ class JobgenGroup(click.Group):
 
 
 config_argument = click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
-site_option = click.option("--site", metavar="NAME", help="Site profile: a name on the site path, or a .yaml file.")
+site_option = click.option(
+    "--site", metavar="NAME", help="Site profile: a name on the site path, or a .yaml file; the default is `site:` in "
+    "$XDG_CONFIG_HOME/jobgen/config.yaml, and `--site none` uses none (see `jobgen sites list`)."
+)
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set resources.nodes=4 (repeatable)."
 )
 scheduler_option = click.option(
-    "--scheduler", "-s", type=click.Choice(SCHEDULER_CHOICES), required=True, help="Which scheduler the script is for."
+    "--scheduler", "-s", type=click.Choice(SCHEDULER_CHOICES), help="Which scheduler the script is for; the site profile's by default."
 )
 
 
@@ -52,11 +56,25 @@ def main() -> None:
 
 def _resolve(config: Path, site: Optional[str], overrides: tuple[str, ...]):
     from jobgen.config import resolve_job
+    from jobgen.sites import chosen_site
 
-    resolved = resolve_job(config, site, overrides)
+    resolved = resolve_job(config, chosen_site(site), overrides)
     for warning in resolved.warnings:
         click.echo(f"jobgen: warning: {warning}", err=True)
     return resolved
+
+
+def _scheduler(option: Optional[str], resolved) -> str:
+    """--scheduler, else the site profile's."""
+    chosen = option or resolved.site.scheduler
+    if chosen:
+        return chosen
+    from jobgen.sites import user_config_file
+
+    raise JobgenError(
+        f"no scheduler: give --scheduler ({'|'.join(SCHEDULER_CHOICES)}), or a site profile that sets "
+        f"'scheduler:' (--site NAME, or `site: NAME` in {user_config_file()})"
+    )
 
 
 def _check_files(job) -> None:
@@ -73,12 +91,13 @@ def _check_files(job) -> None:
 @site_option
 @set_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
-def render(config: Path, scheduler: str, site: Optional[str], overrides: tuple[str, ...], output: Optional[Path]) -> None:
+def render(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], output: Optional[Path]) -> None:
     """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub."""
     from jobgen.render import render as render_script
     from jobgen.schedulers import get_scheduler
 
     resolved = _resolve(config, site, overrides)
+    scheduler = _scheduler(scheduler, resolved)
     for warning in get_scheduler(scheduler).warnings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
     script = render_script(resolved, scheduler)
@@ -120,7 +139,7 @@ def schema() -> None:
 @site_option
 @set_option
 @click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
-def submit(config: Path, scheduler: str, site: Optional[str], overrides: tuple[str, ...], dry_run: bool) -> None:
+def submit(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], dry_run: bool) -> None:
     """Submit CONFIG and print its job id.
 
     \b
@@ -133,6 +152,7 @@ def submit(config: Path, scheduler: str, site: Optional[str], overrides: tuple[s
     from jobgen import submit as submission
 
     resolved = _resolve(config, site, overrides)
+    scheduler = _scheduler(scheduler, resolved)
     _check_files(resolved.job)
     if dry_run:
         planned = submission.plan(resolved, scheduler)
@@ -203,6 +223,8 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
     except FileNotFoundError:
         raise JobgenError(f"no log yet at {path}: the job may still be pending") from None
 
+
+main.add_command(sites)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,12 @@ class JobgenError(Exception):
 
 def describe_validation_error(error: ValidationError, model: type[BaseModel], source: str) -> str:
     """All problems in a job, one line each, with the closest known key for unknown keys."""
-    return "\n".join(_describe_one(item, model, source) for item in error.errors())
+    return describe_errors(error.errors(), model, source)
+
+
+def describe_errors(items: Iterable[dict[str, Any]], model: type[BaseModel], source: str) -> str:
+    """The same for some of a ValidationError's items (a site profile's defaults: not the missing fields)."""
+    return "\n".join(_describe_one(item, model, source) for item in items)
 
 
 def _describe_one(item: dict[str, Any], model: type[BaseModel], source: str) -> str:

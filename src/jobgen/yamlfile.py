@@ -1,0 +1,92 @@
+"""Reading a YAML file a user gives (a job file, a site profile, the user's config): one line for
+any mistake, never a traceback, and nothing that would make validating it hang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobgen.errors import JobgenError
+from jobgen.textfile import not_utf8_message
+
+# libyaml's loader where PyYAML has it: the same safe subset, faster on the CLI's start-up path.
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# A job is three levels deep and a few dozen values; these bounds only stop a file that would
+# make validating it hang (YAML aliases that expand to millions of values, or nest forever).
+MAX_DEPTH = 32
+MAX_VALUES = 10_000
+
+
+def read_yaml_mapping(path: Path, example_keys: str = "resources:, training:, ...") -> dict[str, Any]:
+    """The mapping at the top of the YAML file `path`, {} for an empty file; JobgenError otherwise."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise JobgenError(f"{path}: no such file") from None
+    except OSError as error:
+        raise JobgenError(f"{path}: cannot read: {error.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JobgenError(f"{path}: {not_utf8_message(raw)}") from None
+    try:
+        data = parse_yaml(text)
+    except ValueError as error:
+        raise JobgenError(f"{path}: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise JobgenError(f"{path}: expected a mapping of keys ({example_keys}), found {type(data).__name__}")
+    check_shape(data, str(path))
+    return data
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` as YAML (the safe subset); ValueError with one line saying where and what is wrong."""
+    try:
+        return yaml.load(text, Loader=SafeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"invalid YAML{where}: {error.problem or error.context or 'not valid YAML'}") from None
+    except yaml.reader.ReaderError as error:
+        raise ValueError(_unacceptable_character(text, error.character)) from None
+    except yaml.YAMLError:
+        raise ValueError("invalid YAML") from None
+    except RecursionError:
+        raise ValueError(f"invalid YAML: nested more than {MAX_DEPTH} levels deep") from None
+    except Exception as error:  # noqa: BLE001 - a tag's constructor (int, date, binary) fails in its own way
+        reason = str(error).split(";")[0].splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"invalid YAML: a value cannot be read: {reason}") from None
+
+
+def _unacceptable_character(text: str, character: int) -> str:
+    # libyaml reports a byte offset and PyYAML a character offset; the first such character is
+    # the one both stopped at.
+    index = text.find(chr(character))
+    line = text.count("\n", 0, index) + 1
+    column = index - (text.rfind("\n", 0, index) + 1) + 1
+    return f"invalid YAML: character U+{character:04X} at line {line}, column {column} is not allowed in YAML text"
+
+
+def check_shape(value: Any, where: str) -> None:
+    """Refuse what no job has and what would make validating it hang or its messages unreadable:
+    aliases that expand to millions of values (`a: &a [x, x]`, `b: [*a, *a]`, ...), a value that
+    contains itself, nesting deeper than any job's, a key with a line break or control character."""
+    stack, count = [(value, 1)], 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise JobgenError(f"{where}: more than {MAX_VALUES} values once YAML aliases are expanded; a job has a few dozen")
+        if depth > MAX_DEPTH:
+            raise JobgenError(f"{where}: nested more than {MAX_DEPTH} levels deep (or a YAML alias that contains itself)")
+        if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not key.isprintable():
+                    raise JobgenError(f"{where}: key {key!r} has a character that is not printable; keys are names like 'nodes'")
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
