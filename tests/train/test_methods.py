@@ -64,3 +64,23 @@ def test_lora_zero3_length_grouped_runs_the_jobs_linear_schedule(make_job, tools
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"), job.parent / "output" / "final")
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.numel() > 0 and p.abs().sum() > 0 for p in lora_b)  # gathered from ZeRO-3 shards
+
+
+def test_lora_bf16_adapters_are_bf16_and_saved_alone_under_zero2_and_zero3(make_job, tools, tiny):
+    """ZeRO-3 used to keep peft's fp32 adapters while ZeRO-2 cast them to bf16; both now train and
+    save the adapters in bf16, and ZeRO-3 saves the same adapter that ZeRO-2 does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved = {}
+    for stage in (2, 3):
+        job = make_job(f"lora-zero{stage}", zero_stage=stage, precision="bf16", epochs=1, max_steps=2)
+        result = tools.train(job)
+        assert result.returncode == 0, result.stdout
+        assert "trainable parameters in bfloat16" in result.stdout, result.stdout
+        saved[stage] = tools.adapter_weights(job.parent / "output")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"), job.parent / "output" / "final")
+        assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    assert saved[3].keys() == saved[2].keys() and all("lora_" in key for key in saved[3])
+    assert {str(t.dtype) for t in saved[3].values()} == {str(t.dtype) for t in saved[2].values()} == {"torch.bfloat16"}
+    assert all(saved[3][k].shape == saved[2][k].shape for k in saved[2])  # gathered, not ZeRO-3 shards

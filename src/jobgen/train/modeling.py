@@ -122,7 +122,11 @@ def _add_lora(model: Any, training: Training) -> Any:
         target_modules=list(training.lora.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    # peft would upcast bf16/fp16 adapters to fp32. DeepSpeed casts them back to the training
+    # dtype under ZeRO-2 but not under ZeRO-3 (a model partitioned while loading is not cast), so
+    # the two stages would train in different numerics and memory. Adapters in the base weights'
+    # dtype under both; DeepSpeed's optimizer keeps the fp32 master copy either way.
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def _linear_names(model: Any) -> set[str]:

@@ -253,9 +253,9 @@ class Trainer:
         self.report.first_step = self.report.last_step = first_step
         if dist.is_main:
             log.info(
-                "%s, ZeRO-%d, %s, world %d, %d steps (%d per epoch), %d trainable parameters",
+                "%s, ZeRO-%d, %s, world %d, %d steps (%d per epoch), %d trainable parameters in %s",
                 t.method, t.zero_stage, self.p.precision, dist.world_size, total_steps, steps_per_epoch,
-                sum(p.numel() for p in trainable),
+                sum(p.numel() for p in trainable), _dtype_names(engine.module),
             )
         self._loop(engine, batches, first_step, total_steps)
 
@@ -413,7 +413,7 @@ class Trainer:
         temp = os.path.join(self.p.output_dir, ".tmp-final")
         state_dict = None
         if self.t.zero_stage == 3:
-            state_dict = engine._zero3_consolidated_16bit_state_dict()  # collective; rank 0 gets it
+            state_dict = _zero3_weights_to_save(engine, adapters_only=self.t.method != "full")
         if dist.is_main:
             shutil.rmtree(temp, ignore_errors=True)
             engine.module.save_pretrained(temp, state_dict=state_dict)
@@ -427,6 +427,21 @@ class Trainer:
             fsync_directory(self.p.output_dir)
         dist.barrier()
         return final
+
+
+def _zero3_weights_to_save(engine: Any, adapters_only: bool) -> Optional[dict]:
+    """Collective: the 16-bit weights rank 0 saves (None on the others). An adapter gathers only its
+    own parameters; consolidating the whole model would bring every frozen base weight to rank 0
+    (16 GB for an 8B model) to keep a few MB of them."""
+    if not adapters_only:
+        return engine._zero3_consolidated_16bit_state_dict()
+    import deepspeed
+
+    named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):
+        if engine.global_rank == 0:
+            return {name: p.detach().to("cpu", copy=True) for name, p in named}
+    return None
 
 
 # Cross-entropy is taken over chunks of about this many logits, each recomputed in the backward
@@ -478,6 +493,11 @@ def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> N
             f"training diverged at step {step}: the loss is not finite (lower "
             f"training.learning_rate, or use bf16 instead of fp16); the last checkpoint, {checkpoint or 'none'}, is kept"
         )
+
+
+def _dtype_names(module: Any) -> str:
+    """The dtypes the trainable parameters are held in, as the engine holds them ("bfloat16")."""
+    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.requires_grad}))
 
 
 def _seed_all(seed: int) -> None:
