@@ -61,6 +61,10 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     global _zero3_config
     from transformers import AutoModelForCausalLM
 
+    from jobgen.train.memory import check_fits_on_gpu
+
+    check_fits_on_gpu(training, precision, device)
+
     _zero3_config = None
     if ds_config is not None and training.zero_stage == 3 and training.method != "qlora":
         from transformers.integrations import HfDeepSpeedConfig
