@@ -162,7 +162,9 @@ class _ScriptChecker:
             path.write_text(text)
             self._files[str(path)] = (job, kind)
             syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
-            self._problem(job, *(f"bash -n: {kind}{line.replace(str(path) + ':', ',')}" for line in syntax.stderr.splitlines()))
+            if syntax.returncode:  # bash says one mistake in two lines: where and why, then the line itself
+                said = "; ".join(line.replace(f"{path}: ", "") for line in syntax.stderr.splitlines())
+                self._problem(job, f"bash -n: {kind}, {said}")
         if self.sbatch:
             self._test_only(job, folder / "batch-script")
 

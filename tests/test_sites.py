@@ -1,0 +1,200 @@
+"""Site profiles through the `jobgen` command, as an admin writes them and a user relies on them:
+limits refused in one line, the scheduler and the site taken from the profile and the user's
+config, and `jobgen sites list/show/check`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import EXAMPLES, REPO, jobgen
+
+JOB = {
+    "name": "jobgen-test-site",
+    "resources": {"nodes": 2, "gpus_per_node": 4, "time_limit": "72:00:00", "partition": "gpu"},
+    "training": {"model": "m", "data": "d"},
+}
+PROFILE = {
+    "description": "A test site.",
+    "scheduler": "slurm",
+    "defaults": {"resources": {"partition": "gpu", "account": "ml"}},
+    "limits": {"gpu": {"max_nodes": 4, "max_time": "48:00:00", "max_gpus_per_node": 4}},
+}
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> dict:
+    """A folder on JOBGEN_SITE_PATH holding the profile `testsite`, and an empty user config folder."""
+    write_yaml(tmp_path / "sites" / "testsite.yaml", PROFILE)
+    return {"JOBGEN_SITE_PATH": str(tmp_path / "sites"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("jobgen: error:")]
+
+
+def test_a_job_over_its_partitions_limits_is_refused_in_one_line_per_limit(tmp_path: Path, site: dict) -> None:
+    config = write_yaml(tmp_path / "job.yaml", JOB)
+    for command in (["render"], ["validate"], ["submit", "--dry-run"]):
+        result = jobgen(*command, "--site", "testsite", str(config), cwd=tmp_path, env=site)
+        assert result.returncode == 2, command
+        assert error_lines(result.stderr) == [
+            f"jobgen: error: {config}: partition gpu allows at most 48:00:00; the job asks for 72:00:00: "
+            "lower 'resources.time_limit' or choose another partition (limits of site testsite)"
+        ], command
+
+    result = jobgen("render", "--site", "testsite", str(config), "--set", "resources.time_limit='48:00:00'",
+                    "--set", "resources.nodes=5", "--set", "resources.gpus_per_node=8", cwd=tmp_path, env=site)
+    assert error_lines(result.stderr) == [
+        f"jobgen: error: {config}: partition gpu allows at most 4 nodes; the job asks for 5: "
+        "lower 'resources.nodes' or choose another partition (limits of site testsite)",
+        f"jobgen: error: {config}: partition gpu allows at most 4 GPUs per node; the job asks for 8: "
+        "lower 'resources.gpus_per_node' or choose another partition (limits of site testsite)",
+    ]
+    # Within its limits, or in a partition the site sets none for, the job renders.
+    assert jobgen("render", "--site", "testsite", str(config), "--set", "resources.time_limit='48:00:00'", env=site).returncode == 0
+    assert jobgen("render", "--site", "testsite", str(config), "--set", "resources.partition=long", env=site).returncode == 0
+
+
+def test_a_pbs_site_says_queue(tmp_path: Path, site: dict) -> None:
+    write_yaml(tmp_path / "sites" / "pbssite.yaml", {**PROFILE, "scheduler": "pbs", "defaults": {}})
+    result = jobgen("render", "--site", "pbssite", str(write_yaml(tmp_path / "job.yaml", JOB)), env=site)
+    assert "queue gpu allows at most 48:00:00; the job asks for 72:00:00: lower 'resources.time_limit' or choose another queue" in result.stderr
+
+
+def test_the_scheduler_comes_from_the_profile_unless_given(tmp_path: Path, site: dict) -> None:
+    config = write_yaml(tmp_path / "job.yaml", {**JOB, "resources": {**JOB["resources"], "time_limit": "01:00:00"}})
+    from_site = jobgen("render", "--site", "testsite", str(config), env=site)
+    assert from_site.returncode == 0, from_site.stderr
+    assert "#SBATCH --partition=gpu" in from_site.stdout and "#SBATCH --account=ml" in from_site.stdout
+    assert "#PBS" in jobgen("render", "--site", "testsite", "-s", "pbs", str(config), env=site).stdout
+
+    without = jobgen("render", str(config), env=site)
+    assert without.returncode == 2
+    assert error_lines(without.stderr) == [
+        "jobgen: error: no scheduler: give --scheduler (slurm|pbs|torque|local), or a site profile that sets "
+        f"'scheduler:' (--site NAME, or `site: NAME` in {site['XDG_CONFIG_HOME']}/jobgen/config.yaml)"
+    ]
+
+
+def test_the_default_site_comes_from_the_users_config_and_none_opts_out(tmp_path: Path, site: dict) -> None:
+    config = write_yaml(tmp_path / "job.yaml", {**JOB, "resources": {"gpus_per_node": 4}})
+    write_yaml(tmp_path / "config" / "jobgen" / "config.yaml", {"site": "testsite"})
+    result = jobgen("render", str(config), env=site)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --partition=gpu" in result.stdout and "(site profile testsite)" in result.stdout
+
+    opted_out = jobgen("render", "--site", "none", "-s", "slurm", str(config), env=site)
+    assert opted_out.returncode == 0 and "--partition" not in opted_out.stdout
+
+    # Without XDG_CONFIG_HOME, the config is ~/.config/jobgen/config.yaml.
+    home = tmp_path / "home"
+    write_yaml(home / ".config" / "jobgen" / "config.yaml", {"site": "testsite"})
+    env = {"JOBGEN_SITE_PATH": site["JOBGEN_SITE_PATH"], "HOME": str(home), "XDG_CONFIG_HOME": ""}
+    assert "#SBATCH --partition=gpu" in jobgen("render", str(config), env=env).stdout
+
+    write_yaml(tmp_path / "config" / "jobgen" / "config.yaml", {"sit": "testsite"})
+    typo = jobgen("render", str(config), env=site)
+    assert typo.returncode == 2
+    assert error_lines(typo.stderr) == [
+        f"jobgen: error: {tmp_path}/config/jobgen/config.yaml: unknown key 'sit' (did you mean 'site'?); known keys here: site"
+    ]
+
+
+def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: dict) -> None:
+    config = write_yaml(tmp_path / "job.yaml", JOB)
+    cases = {
+        "limit": "unknown key 'limit' in site profile; known keys: description, scheduler, defaults, limits, templates, examples",
+        "defaults": "defaults: unknown key 'resources.partiton' (did you mean 'partition'?)",
+        "limits": "'limits.gpu.max_time' is '2 days': expected [D-]HH:MM:SS",
+        "scheduler": "'scheduler': unknown scheduler 'lsf'",
+    }
+    profiles = {
+        "limit": {"limit": {}},
+        "defaults": {"defaults": {"resources": {"partiton": "gpu"}}},
+        "limits": {"limits": {"gpu": {"max_time": "2 days"}}},
+        "scheduler": {"scheduler": "lsf"},
+    }
+    for key, profile in profiles.items():
+        path = write_yaml(tmp_path / "sites" / f"bad-{key}.yaml", profile)
+        result = jobgen("render", "-s", "slurm", "--site", f"bad-{key}", str(config), env=site)
+        [line] = error_lines(result.stderr)
+        assert line.startswith(f"jobgen: error: {path}: {cases[key]}"), line
+
+
+def test_sites_list_names_each_profile_where_it_is_found_and_what_it_shadows(tmp_path: Path, site: dict) -> None:
+    write_yaml(tmp_path / "first" / "testsite.yaml", {"scheduler": "pbs"})
+    env = {**site, "JOBGEN_SITE_PATH": f"{tmp_path / 'first'}:{tmp_path / 'sites'}"}
+    write_yaml(tmp_path / "config" / "jobgen" / "config.yaml", {"site": "testsite"})
+    result = jobgen("sites", "list", env=env)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert ["*", "testsite", "pbs", f"{tmp_path}/first/testsite.yaml", "($JOBGEN_SITE_PATH)"] in rows
+    assert ["shadows", f"{tmp_path}/sites/testsite.yaml", "($JOBGEN_SITE_PATH)"] in rows
+    assert ["pbspro-tmrsh", "pbs", f"{REPO}/configs/sites/pbspro-tmrsh.yaml", "(bundled)"] in rows
+
+
+def test_sites_show_prints_the_profile_as_read_and_where_it_came_from(tmp_path: Path, site: dict) -> None:
+    (tmp_path / "sites" / "overrides").mkdir()
+    write_yaml(tmp_path / "sites" / "testsite.yaml", {**PROFILE, "templates": "overrides"})
+    result = jobgen("sites", "show", "testsite", env=site)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"# site testsite: {tmp_path}/sites/testsite.yaml ($JOBGEN_SITE_PATH)"
+    shown = yaml.safe_load(result.stdout)
+    assert shown == {**PROFILE, "templates": str(tmp_path / "sites" / "overrides")}
+
+
+def test_sites_check_passes_on_the_bundled_pbs_pro_profile() -> None:
+    result = jobgen("sites", "check", "pbspro-tmrsh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert f"pbs: {len(EXAMPLES)} job(s), {len(EXAMPLES)} rendered; bash -n, shellcheck: 0 problem(s)" in result.stderr
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_sites_check_gives_one_line_per_problem_and_fails(tmp_path: Path, site: dict) -> None:
+    # A template override with a bash syntax error in one job's script and a shellcheck warning in
+    # the others', a partition this cluster lacks, limits two of the examples exceed, and an
+    # example of the site's own that does not validate.
+    (tmp_path / "sites" / "overrides").mkdir()
+    (tmp_path / "sites" / "overrides" / "slurm.sh.j2").write_text(
+        '{% extends "bundled/slurm.sh.j2" %}\n{% block prologue %}\n'
+        '{% if job.name == "llama3-8b-lora" %}\nif then\n{% else %}\nsite_unused=1\n{% endif %}\n{% endblock %}\n'
+    )
+    write_yaml(tmp_path / "sites" / "examples" / "broken.yaml", {"training": {"model": "m"}})
+    write_yaml(tmp_path / "sites" / "testsite.yaml", {
+        **PROFILE,
+        "defaults": {"resources": {"partition": "nosuch"}},
+        "limits": {"gpu": {"max_nodes": 2}, "debug": {"max_time": "00:10:00"}},
+        "templates": "overrides",
+        "examples": "examples",
+    })
+    result = jobgen("sites", "check", "testsite", env=site)
+    assert result.returncode == 1
+    examples = {path.stem: str(path) for path in EXAMPLES}
+    problems = result.stdout.splitlines()
+    # Where the override's lines land depends on the bundled template: `line N` is not pinned.
+    unpinned = [re.sub(r"line \d+", "line N", line) for line in problems]
+    assert unpinned[:5] == [
+        f"{examples['cpu-debug-2node']}: partition debug allows at most 00:10:00; the job asks for 00:30:00: "
+        "lower 'resources.time_limit' or choose another partition (limits of site testsite)",
+        f"{examples['llama-lora-2node']}: bash -n: batch script, line N: syntax error near unexpected token `then'; line N: `if then'",
+        f"{examples['qlora-1node']}: sbatch --test-only: allocation failure: Invalid partition name specified",
+        f"{examples['qwen-full-zero3-4node']}: partition gpu allows at most 2 nodes; the job asks for 4: "
+        "lower 'resources.nodes' or choose another partition (limits of site testsite)",
+        f"{tmp_path}/sites/examples/broken.yaml: 'training.data' is required",
+    ]
+    # shellcheck's own findings, one line each: its parse errors in the one, the warning in the other.
+    linted = unpinned[5:]
+    assert linted[:-1] and all(line.startswith(f"{examples['llama-lora-2node']}: shellcheck: batch script, line N") for line in linted[:-1])
+    assert linted[-1].startswith(f"{examples['qlora-1node']}: shellcheck: batch script, line N, column 1: warning: site_unused appears unused")
+    assert f"5 job(s), 2 rendered; bash -n, shellcheck, sbatch --test-only: {len(problems)} problem(s)" in result.stderr
