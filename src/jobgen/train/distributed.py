@@ -110,6 +110,15 @@ def place(gpus_per_node: int, local_rank: int, precision: str) -> Placement:
     return Placement(cuda=True, local_rank=local_rank)
 
 
+def skip_shared_memory_op(deepspeed: Any) -> None:
+    """On the CPU, DeepSpeed's process group JIT-builds a shared-memory C++ op on every start, for
+    inference all-reduces only (training reduces through torch.distributed). Its build is one to
+    three minutes on a busy 2-CPU node, and torch's extension cache rebuilds it whenever another
+    process built it with other flags: marked incompatible, it is never built."""
+    compatible = deepspeed.ops.__compatible_ops__
+    compatible["deepspeed_shm_comm"] = False
+
+
 class Distributed:
     """An initialized process group (also for a single process without torchrun)."""
 
@@ -126,6 +135,8 @@ class Distributed:
         os.environ.setdefault("WORLD_SIZE", str(self.world_size))
         import deepspeed
 
+        if not self.cuda:
+            skip_shared_memory_op(deepspeed)
         # deepspeed.comm wraps torch.distributed; initializing through it keeps both views the same.
         deepspeed.init_distributed(dist_backend=self.backend, timeout=pg_timeout(), auto_mpi_discovery=False)
         self._dist = dist
