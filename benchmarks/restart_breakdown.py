@@ -41,7 +41,9 @@ def job(tiny: Path) -> dict:
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:30:00"},
         "launch": {"procs_per_node": 1},
         "training": {"model": str(tiny / "model"), "data": str(tiny / "data.json"), "method": "lora", "precision": "fp32",
-                     "per_device_batch_size": 2, "max_length": 64, "max_steps": 2, "save_interval": 1000},
+                     "per_device_batch_size": 2, "max_length": 64, "max_steps": 2, "save_interval": 1000,
+                     # a constant learning rate, so that a resume may train further than the first run
+                     "lr_schedule": "constant", "warmup_steps": 0},
     }
 
 
