@@ -82,7 +82,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         # preemption's SIGKILL may cut short (PBS leaves 10 s by default).
         if rank == 0 and os.path.isdir(run_dir):
             write_exit_report(run_dir, report)
-        if getattr(trainer, "dist", None) is not None:
+        # Only after an end every rank agreed on. After a crash, another rank may be inside a
+        # collective this one never joins, and NCCL's destroy_process_group can then block until
+        # the process group's timeout; exiting is what tells the other ranks.
+        if getattr(trainer, "dist", None) is not None and code != 1:
             trainer.dist.close()
     # Everything is written and the process group is gone. Interpreter finalization can still
     # abort (SIGABRT) in gloo's worker threads, seen on a non-zero rank at the end of a complete
