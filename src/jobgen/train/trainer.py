@@ -315,7 +315,6 @@ class Trainer:
                 self.report.last_step = step
                 if step == first_step + 1:
                     self._record_startup(first_step)
-                metrics.advance()
                 if step % t.logging_interval == 0 or step == total_steps or stop:
                     metrics.write({
                         "step": step,
