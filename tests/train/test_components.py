@@ -133,10 +133,12 @@ def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny,
 def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path):
     from jobgen.train.metrics import MetricsWriter
 
-    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, total_steps=2, first_step=0)
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, total_steps=4, first_step=0)
     writer.write({"step": 1, "loss": 2.0, "lr": 0.1})
     writer.close()
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0, "lr": 0.1}
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert {k: record[k] for k in ("step", "loss", "lr", "total_steps")} == {"step": 1, "loss": 2.0, "lr": 0.1, "total_steps": 4}
+    assert record["seconds_left"] >= 0  # three more steps at this segment's pace so far
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
