@@ -1,4 +1,5 @@
-"""Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), TensorBoard when asked, a progress bar on a TTY.
+"""Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), a log line each, TensorBoard when asked;
+and `OUTPUT_DIR/startup.jsonl`, where each segment's time to its first new step went.
 
 One line per logging step: step; time (Unix seconds when written); loss, token-weighted over
 every rank and micro-batch since the previous line (sum(loss*tokens)/sum(tokens), all-gathered);
@@ -12,13 +13,14 @@ at most: the figure an out-of-memory is about) and host_peak_mb (the process's m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
-import sys
 import time
 from typing import Any, Optional
 
 STARTUP_FILE = "startup.jsonl"
+log = logging.getLogger("jobgen.train")
 
 
 def host_peak_mb() -> float:
@@ -79,40 +81,59 @@ class StartupClock:
 
 
 class MetricsWriter:
+    """Rank 0's record of the run: each logging step is one line of metrics.jsonl and one plain
+    log line. The record also holds total_steps and seconds_left (this segment's pace since its
+    previous line), so a reader can show progress without the job's settings: `jobgen logs -f`
+    and `jobgen submit --scheduler local` turn them into one updating line on a terminal."""
+
     def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, total_steps: int, first_step: int) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
         self.handle = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if enabled else None
         self.tensorboard: Optional[Any] = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        self.progress: Optional[Any] = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.progress = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+        self._previous = (time.time(), first_step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        now = time.time()
+        then, step_then = self._previous
+        per_step = (now - then) / max(1, record["step"] - step_then)
+        record = {**record, "total_steps": self.total_steps,
+                  "seconds_left": round(per_step * max(0, self.total_steps - record["step"]), 1)}
+        self._previous = (now, record["step"])
         self.handle.write(json.dumps(record) + "\n")
         self.handle.flush()
         if self.tensorboard is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key not in ("step", "total_steps") and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
-        if self.progress is not None:
-            self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            self.progress.update(1)
+        log.info("%s", describe_progress(record))
 
     def close(self) -> None:
         if self.handle:
             self.handle.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
-        if self.progress is not None:
-            self.progress.close()
+
+
+def describe_progress(record: dict) -> str:
+    """One line a person reads: 'step 12/40  loss 2.3456  1,234 tokens/s  0:28 left'."""
+    parts = [f"step {record['step']}/{record['total_steps']}" if record.get("total_steps") else f"step {record['step']}"]
+    if isinstance(record.get("loss"), (int, float)):
+        parts.append(f"loss {record['loss']:.4f}")
+    if isinstance(record.get("tokens_per_s"), (int, float)):
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if isinstance(record.get("seconds_left"), (int, float)):
+        parts.append(f"{format_duration(record['seconds_left'])} left")
+    return "  ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
