@@ -14,7 +14,27 @@ from jobgen.errors import JobgenError
 from jobgen.sites_cli import sites
 from jobgen.startup import skip_startup_costs
 
-SCHEDULER_CHOICES = ["slurm", "pbs", "torque", "local"]
+class SchedulerName(click.ParamType):
+    """--scheduler: a bundled scheduler or an installed plug-in's. Installed plug-ins are looked
+    up only for a name that is not bundled, or for --help: a render does not pay for the scan."""
+
+    name = "scheduler"
+
+    def convert(self, value, param, ctx):
+        from jobgen.schedulers import BUNDLED, scheduler_names
+
+        if value in BUNDLED:
+            return value
+        names = scheduler_names()
+        if value not in names:
+            self.fail(f"{value!r} is not one of {', '.join(map(repr, names))} (installed plug-ins included)", param, ctx)
+        return value
+
+    def get_metavar(self, param, ctx=None) -> str:
+        from jobgen.schedulers import scheduler_names
+
+        return f"[{'|'.join(scheduler_names())}]"
+
 
 
 class JobgenGroup(click.Group):
@@ -39,7 +59,7 @@ set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set resources.nodes=4 (repeatable)."
 )
 scheduler_option = click.option(
-    "--scheduler", "-s", type=click.Choice(SCHEDULER_CHOICES), help="Which scheduler the script is for; the site profile's by default."
+    "--scheduler", "-s", type=SchedulerName(), help="Which scheduler the script is for; the site profile's by default."
 )
 
 
@@ -69,10 +89,11 @@ def _scheduler(option: Optional[str], resolved) -> str:
     chosen = option or resolved.site.scheduler
     if chosen:
         return chosen
+    from jobgen.schedulers import scheduler_names
     from jobgen.sites import user_config_file
 
     raise JobgenError(
-        f"no scheduler: give --scheduler ({'|'.join(SCHEDULER_CHOICES)}), or a site profile that sets "
+        f"no scheduler: give --scheduler ({'|'.join(scheduler_names())}), or a site profile that sets "
         f"'scheduler:' (--site NAME, or `site: NAME` in {user_config_file()})"
     )
 
@@ -157,20 +178,20 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
     if dry_run:
         planned = submission.plan(resolved, scheduler)
         click.echo(f"# run directory: {planned.run.path}", err=True)
-        if planned.submission != planned.script:
-            click.echo(f"# ---- submission ({scheduler}), which runs {planned.script_path} ----", err=True)
-            click.echo(planned.submission)
         click.echo(f"# ---- {planned.script_path} ----", err=True)
         click.echo(planned.script, nl=False)
         return
+    from jobgen.schedulers import get_scheduler
+
     job_id, planned = submission.submit(resolved, scheduler)
-    done = "ran local job" if scheduler == "local" else "submitted job"
+    foreground = get_scheduler(scheduler).runs_in_foreground
+    done = f"ran {scheduler} job" if foreground else "submitted job"
     click.echo(f"jobgen: {done} {job_id}; run directory {planned.run.path}", err=True)
     click.echo(job_id)
-    if scheduler == "local":
-        from jobgen.status import local_exit_status
+    if foreground:  # the job has ended: its outcome is the command's
+        from jobgen.status import foreground_exit_status
 
-        sys.exit(local_exit_status(planned.run))
+        sys.exit(foreground_exit_status(planned.run))
 
 
 target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default=".")

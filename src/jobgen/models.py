@@ -253,7 +253,8 @@ class Environment(_Strict):
 def _check_env_name(name: str) -> None:
     if not re.match(ENV_NAME, name):
         raise ValueError(f"{name!r} is not a shell variable name (letters, digits, _; not starting with a digit)")
-    if name.startswith(("SLURM_", "PBS_")) or name in {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES"}:
+    # The scheduler's own names (SLURM_*, PBS_*) are refused by the chosen scheduler, at render.
+    if name in {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES"}:
         raise ValueError(f"{name!r} is set by the scheduler or by jobgen and cannot be overridden")
 
 
@@ -345,8 +346,9 @@ class Job(_Strict):
     @classmethod
     def _directives_are_directives(cls, value: list[str]) -> list[str]:
         for line in value:
-            if "\n" in line or "\r" in line or not re.match(r"^#(SBATCH|PBS)\s+\S", line):
-                raise ValueError(f"{line!r} must be one '#SBATCH ...' or '#PBS ...' line")
+            # Which prefixes exist is the schedulers' knowledge: the chosen one checks them at render.
+            if "\n" in line or "\r" in line or not re.match(r"^#[A-Za-z]\w*\s+\S", line):
+                raise ValueError(f"{line!r} must be one directive line, such as '#SBATCH --reservation=ft' or '#PBS -m a'")
         return value
 
     @model_validator(mode="after")

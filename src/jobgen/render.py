@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jinja2
 import yaml
@@ -20,6 +20,7 @@ from jobgen.config import ResolvedJob
 from jobgen.errors import JobgenError
 from jobgen.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
+from jobgen.runfiles import TEMPLATE_FILES
 from jobgen.schedulers import get_scheduler
 from jobgen.textfile import file_not_utf8_message
 
@@ -46,12 +47,14 @@ def as_comment(value: Any) -> Raw:
     return Raw("".join(ch if ch.isprintable() else "?" for ch in str(value)))
 
 
-def template_environment(override_dir: Optional[Path] = None) -> jinja2.Environment:
-    """Site overrides first, then the bundled templates; `bundled/NAME` always means the shipped one."""
+def template_environment(override_dir: Optional[Path] = None, scheduler_dirs: Sequence[Path] = ()) -> jinja2.Environment:
+    """Site overrides first, then a plug-in scheduler's own folder, then the bundled templates;
+    `bundled/NAME` always means the shipped one."""
     bundled = jinja2.FileSystemLoader(str(bundled_path("templates")))
     loaders: list[jinja2.BaseLoader] = []
     if override_dir:
         loaders.append(_OverrideLoader(str(override_dir)))
+    loaders += [_OverrideLoader(str(folder)) for folder in scheduler_dirs]
     loaders += [bundled, jinja2.PrefixLoader({"bundled": bundled})]
     env = jinja2.Environment(
         loader=jinja2.ChoiceLoader(loaders),
@@ -100,11 +103,12 @@ def job_yaml(job: Job) -> str:
 def render(resolved: ResolvedJob, scheduler_name: str) -> str:
     job = resolved.job
     scheduler = get_scheduler(scheduler_name)
-    env = template_environment(resolved.site.template_dir)
+    env = template_environment(resolved.site.template_dir, scheduler.template_dirs())
     context = {
         "job": job,
         "version": __version__,
-        "scheduler": scheduler.name,
+        **scheduler.template_variables(job),  # scheduler, scheduler_env, and what a scheduler adds
+        "files": TEMPLATE_FILES,  # the run directory's file names (jobgen.runfiles)
         "site": resolved.site.name,
         "directives": [Raw(line) for line in scheduler.directives(job)],
         "launcher": scheduler.launcher(job),

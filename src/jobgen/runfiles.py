@@ -8,6 +8,9 @@ beyond the standard library, since the trainer on every rank imports this too.
 
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 JOB_FILE = "job.yaml"  # the resolved job, as the trainer reads it
 NODE_SCRIPT = "node.sh"  # what each node runs, with its NODE_RANK as $1
 # Environment for nodes that a launcher starts bare (pbsdsh, ssh); holds secrets, removed at the end.
@@ -38,6 +41,13 @@ def node_log(job_id: str, node: int | str) -> str:
 
 def rank_log(job_id: str, rank: int | str) -> str:
     return f"{LOGS}/{job_id}-rank{rank}.out"
+
+
+def batch_log_job_id(file_name: str) -> Optional[str]:
+    """The job id of a file in logs/ named as `batch_log` names it; None for any other file."""
+    if not file_name.endswith(".out") or re.search(r"-(node|rank)\d+\.out$", file_name):
+        return None
+    return file_name[: -len(".out")]
 
 
 class _TemplateFiles:

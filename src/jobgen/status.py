@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from jobgen import runfiles
 from jobgen.errors import JobgenError
 from jobgen.rundir import RunDir, find_run
 from jobgen.schedulers import get_scheduler
@@ -16,13 +16,7 @@ def collect(target: str) -> dict[str, Any]:
     run = find_run(target)
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
-    state = None
-    if latest and latest["scheduler"] != "local":
-        try:
-            found = get_scheduler(latest["scheduler"]).state(latest["job_id"])
-            state = found.as_dict() if found else {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": "the scheduler no longer knows this job"}
-        except JobgenError as error:
-            state = {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": str(error)}
+    state = _scheduler_state(latest) if latest else None
     segments = pair_segments(run.segments())
     return {
         "run_dir": str(run.path),
@@ -31,6 +25,19 @@ def collect(target: str) -> dict[str, Any]:
         "segments": segments,
         "goodput": goodput(segments),
     }
+
+
+def _scheduler_state(latest: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """What the scheduler says of the latest submission; None where the run directory is its
+    whole record (a job run in the foreground)."""
+    try:
+        scheduler = get_scheduler(latest["scheduler"])
+        if scheduler.runs_in_foreground:
+            return None
+        found = scheduler.state(latest["job_id"])
+    except JobgenError as error:
+        return {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": str(error)}
+    return found.as_dict() if found else {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": "the scheduler no longer knows this job"}
 
 
 def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,16 +108,22 @@ def log_path(target: str, node: Optional[int], rank: Optional[int] = None) -> Pa
     elif run.submissions():
         job_id = run.latest()["job_id"]
     else:  # submitted by hand and stopped before its first segment: its newest batch log
-        batch_logs = [p for p in run.logs.glob("*.out") if not re.search(r"-(node|rank)\d+\.out$", p.name)]
-        if not batch_logs:
-            raise JobgenError(f"{run.path} has no log yet")
-        job_id = max(batch_logs, key=lambda p: p.stat().st_mtime).name[: -len(".out")]
+        job_id = _newest_batch_log_job_id(run)
     if rank is not None:
-        return run.logs / f"{job_id}-rank{rank}.out"
-    return run.logs / (f"{job_id}-node{node}.out" if node is not None else f"{job_id}.out")
+        return run.path / runfiles.rank_log(job_id, rank)
+    return run.path / (runfiles.node_log(job_id, node) if node is not None else runfiles.batch_log(job_id))
 
 
-def local_exit_status(run: RunDir) -> int:
+def _newest_batch_log_job_id(run: RunDir) -> str:
+    found = [(p, runfiles.batch_log_job_id(p.name)) for p in run.logs.glob("*")]
+    found = [(p, job_id) for p, job_id in found if job_id]
+    if not found:
+        raise JobgenError(f"{run.path} has no log yet")
+    return max(found, key=lambda item: item[0].stat().st_mtime)[1]
+
+
+def foreground_exit_status(run: RunDir) -> int:
+    """0 when the last segment of a job run in the foreground completed, else 1."""
     segments = pair_segments(run.segments())
     return 0 if segments and segments[-1]["outcome"] == "completed" else 1
 

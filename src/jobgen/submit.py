@@ -1,7 +1,8 @@
 """`jobgen submit`: render, lay out the run directory, hand the script to the scheduler, record it.
 
 Rendering stays a pure function (jobgen.render); this module only adds files and one call to the
-scheduler, so --dry-run can show exactly what would be submitted.
+scheduler. Every scheduler submits the rendered script itself, so --dry-run shows exactly what
+would be submitted, and RUN_DIR/submission.txt is that script.
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ from jobgen.render import job_yaml, render
 from jobgen.rundir import RunDir
 from jobgen.schedulers import get_scheduler
 
-ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING", "Q", "R", "H", "E", "S", "W", "B"}
-
 
 @dataclass(frozen=True)
 class Plan:
     run: RunDir
     script_path: Path
     script: str
-    submission: str
 
 
 def run_dir_for(resolved: ResolvedJob) -> RunDir:
@@ -34,38 +32,37 @@ def run_dir_for(resolved: ResolvedJob) -> RunDir:
 
 
 def plan(resolved: ResolvedJob, scheduler_name: str) -> Plan:
-    scheduler = get_scheduler(scheduler_name)
     run = run_dir_for(resolved)
-    script_path = run.script(scheduler.name)
-    script = render(resolved, scheduler.name)
-    submission = scheduler.submission(resolved.job, script, script_path, run.path)
-    return Plan(run=run, script_path=script_path, script=script, submission=submission)
+    return Plan(run=run, script_path=run.script(scheduler_name), script=render(resolved, scheduler_name))
 
 
 def submit(resolved: ResolvedJob, scheduler_name: str) -> tuple[str, Plan]:
     scheduler = get_scheduler(scheduler_name)
     planned = plan(resolved, scheduler_name)
-    refuse_if_active(planned.run, scheduler_name)
+    refuse_if_active(planned.run)
     planned.run.logs.mkdir(parents=True, exist_ok=True)
     write_atomic(planned.run.job_file, job_yaml(resolved.job))
     write_atomic(planned.script_path, planned.script)
-    write_atomic(planned.run.submission_text, planned.submission)
+    write_atomic(planned.run.submission_text, planned.script)
     job_id = scheduler.submit(resolved.job, planned.script_path, planned.run.path)
     planned.run.record_submission(job_id, scheduler.name, script=str(planned.script_path))
     return job_id, planned
 
 
-def refuse_if_active(run: RunDir, scheduler_name: str) -> None:
+def refuse_if_active(run: RunDir) -> None:
     """Two jobs training into one run directory would overwrite each other's checkpoints."""
     submissions = run.submissions()
-    if not submissions or submissions[-1]["scheduler"] in ("local",):
+    if not submissions:
         return
     last = submissions[-1]
     try:
-        state = get_scheduler(last["scheduler"]).state(last["job_id"])
+        scheduler = get_scheduler(last["scheduler"])
+        if scheduler.runs_in_foreground:
+            return  # its `jobgen submit` returned, so it has ended
+        state = scheduler.state(last["job_id"])
     except JobgenError:
         return  # the scheduler cannot be asked from here; nothing to protect against
-    if state and state.state.upper() in ACTIVE_STATES:
+    if state and state.state.upper() in scheduler.active_states:
         raise JobgenError(
             f"job {last['job_id']} of run directory {run.path} is still {state.state}: "
             f"cancel it (jobgen cancel {last['job_id']}) or set a different run_dir"

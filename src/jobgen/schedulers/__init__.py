@@ -1,14 +1,17 @@
-"""One module per scheduler; add a scheduler by adding a short module and a template."""
+"""One module per scheduler; add a scheduler by adding a short module and a template.
+
+The bundled schedulers are listed here; installed packages add more through the
+`jobgen.schedulers` entry-point group (jobgen.plugins). A bundled name always means the bundled
+scheduler: a plug-in cannot replace one.
+"""
 
 from __future__ import annotations
-
-import importlib
 
 from jobgen.errors import JobgenError
 from jobgen.schedulers.base import Scheduler
 
 # Imported on first use: a render for one scheduler loads only that module (cold start counts).
-SCHEDULERS: dict[str, str] = {
+BUNDLED: dict[str, str] = {
     "slurm": "jobgen.schedulers.slurm:Slurm",
     "pbs": "jobgen.schedulers.pbs:PbsPro",
     "torque": "jobgen.schedulers.torque:Torque",
@@ -16,9 +19,38 @@ SCHEDULERS: dict[str, str] = {
 }
 
 
+def scheduler_names() -> list[str]:
+    """Every scheduler `--scheduler` accepts: the bundled ones, then installed plug-ins by name."""
+    from jobgen.plugins import installed_schedulers
+
+    return [*BUNDLED, *sorted(set(installed_schedulers()) - set(BUNDLED))]
+
+
 def get_scheduler(name: str) -> Scheduler:
-    try:
-        module, _, cls = SCHEDULERS[name].partition(":")
-    except KeyError:
-        raise JobgenError(f"unknown scheduler '{name}'; accepted: {', '.join(SCHEDULERS)}") from None
-    return getattr(importlib.import_module(module), cls)()
+    """The scheduler called `name`; an installed plug-in is looked up only for a name not bundled."""
+    from jobgen.plugins import SCHEDULER_GROUP, installed_schedulers, load_entry_point
+
+    target = BUNDLED.get(name) or installed_schedulers().get(name)
+    if target is None:
+        accepted = ", ".join(scheduler_names())
+        raise JobgenError(f"unknown scheduler '{name}'; accepted: {accepted} (plug-ins add more: pip install one)")
+    cls = load_entry_point(SCHEDULER_GROUP, name, target)
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise JobgenError(f"scheduler '{name}' ({target}) is not a subclass of jobgen.schedulers.base.Scheduler")
+    if getattr(cls, "name", None) != name:
+        raise JobgenError(
+            f"scheduler '{name}' ({target}) calls itself '{getattr(cls, 'name', None)}': its class attribute "
+            f"name must be '{name}', the entry point's name, so that status and cancel find it again"
+        )
+    return cls()
+
+
+def directive_prefixes() -> dict[str, list[str]]:
+    """Directive prefix -> the schedulers that read it, every scheduler loaded: for the rare
+    extra directive that is not the chosen scheduler's."""
+    prefixes: dict[str, list[str]] = {}
+    for name in scheduler_names():
+        scheduler = get_scheduler(name)
+        if scheduler.directive_prefix:
+            prefixes.setdefault(scheduler.directive_prefix, []).append(name)
+    return prefixes

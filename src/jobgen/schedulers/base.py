@@ -1,14 +1,34 @@
-"""What every scheduler shares; each subclass says only how its header and node list differ."""
+"""What every scheduler shares; each subclass says only what differs.
+
+A scheduler is this class's subclass in one module plus one template: everything jobgen knows
+about it is there (directive prefix and header options, the environment variables its jobs read,
+the states that mean "still queued or running", the launchers it can use, submit, state, cancel).
+Bundled and plug-in schedulers are the same kind of thing (see jobgen.schedulers).
+"""
 
 from __future__ import annotations
 
 import shlex
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from jobgen.errors import JobgenError
 from jobgen.models import Job, _slug
 from jobgen.schedulers.state import JobState
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    """The names of the environment variables a running job learns its facts from; the
+    scheduler's template reads them (`scheduler_env.job_id`, ...) instead of spelling them."""
+
+    job_id: str
+    # The scheduler's count of this job's restarts, or jobgen's own where it keeps none.
+    restart_count: str = "JOBGEN_RESTART_COUNT"
+    submit_dir: Optional[str] = None  # where the job was submitted from: its default working directory
+    nodes: Optional[str] = None  # the node list, or the file that lists the nodes
 
 
 class Scheduler:
@@ -19,6 +39,26 @@ class Scheduler:
     directive_prefix: ClassVar[str] = ""
     # What to write instead of an extra directive that repeats a generated option, by option key.
     option_fixes: ClassVar[dict[str, str]] = {}
+    job_environment: ClassVar[JobEnvironment]
+    # Variables the scheduler sets in every job: a job's environment.variables may not set them.
+    reserved_prefixes: ClassVar[tuple[str, ...]] = ()
+    # `state().state` words (upper case) of a job still queued or running: a second submission
+    # into its run directory is refused meanwhile.
+    active_states: ClassVar[frozenset[str]] = frozenset()
+    # True where `submit` runs the job to its end in the foreground: the run directory is then
+    # the whole record, there is no scheduler to ask, and the command's exit status is the job's.
+    runs_in_foreground: ClassVar[bool] = False
+
+    def template_dirs(self) -> list[Path]:
+        """Folders searched for `template` before the bundled ones: none for a bundled
+        scheduler, the folder of its module for a plug-in. A plug-in may return another."""
+        if type(self).__module__.startswith("jobgen.schedulers."):
+            return []
+        return [Path(sys.modules[type(self).__module__].__file__).resolve().parent]
+
+    def template_variables(self, job: Job) -> dict[str, Any]:
+        """What the templates may read about the scheduler, beyond the job itself."""
+        return {"scheduler": self.name, "scheduler_env": self.job_environment}
 
     def directives(self, job: Job) -> list[str]:
         """Header lines, in order; the job's own extra directives of this flavour come last.
@@ -26,10 +66,24 @@ class Scheduler:
         An extra directive that sets an option jobgen generates is refused (JobgenError): the
         scheduler would honour one of the two, PBS Pro the first `-l select`, sbatch the last.
         """
+        self.refuse_reserved_variables(job)
         own = [f"{self.directive_prefix} {option}" for option in self.options(job)]
-        extra = [line for line in job.extra_directives if self.directive_prefix and line.startswith(self.directive_prefix)]
+        extra = [line for line in job.extra_directives if self.is_own_directive(line)]
         self._refuse_conflicts(own, extra)
+        _refuse_unknown_prefixes([line for line in job.extra_directives if not self.is_own_directive(line)])
         return own + extra
+
+    def is_own_directive(self, line: str) -> bool:
+        return bool(self.directive_prefix) and line.split(maxsplit=1)[0] == self.directive_prefix
+
+    def refuse_reserved_variables(self, job: Job) -> None:
+        for name in [*job.environment.variables, *job.environment.secrets]:
+            if name.startswith(self.reserved_prefixes):
+                field = "variables" if name in job.environment.variables else "secrets"
+                raise JobgenError(
+                    f"environment.{field}: '{name}' is set by {self.name} in every job and cannot be overridden; "
+                    f"rename it (names starting {' or '.join(self.reserved_prefixes)} are {self.name}'s)"
+                )
 
     def options(self, job: Job) -> list[str]:
         return []
@@ -64,13 +118,8 @@ class Scheduler:
             )
         return chosen
 
-    def submission(self, job: Job, script_text: str, script: Path, run_dir: Path) -> str:
-        """The exact text `submit` hands to the scheduler (the script itself, unless a scheduler
-        wraps it), for --dry-run and the record; nothing is written or submitted."""
-        return script_text
-
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
-        """Submits and returns the job id."""
+        """Submits the rendered script, unchanged, and returns the job id."""
         raise NotImplementedError
 
     def state(self, job_id: str) -> Optional[JobState]:
@@ -84,6 +133,20 @@ class Scheduler:
     def job_name(job: Job) -> str:
         # Schedulers restrict names (PBS: no spaces, 236 chars); the full name stays in the header.
         return _slug(job.name)[:64]
+
+
+def _refuse_unknown_prefixes(lines: list[str]) -> None:
+    """Another scheduler's lines are left out (one job file may serve several); a line no
+    scheduler reads is a typo (`#SBTACH`), refused rather than dropped."""
+    if not lines:
+        return  # the usual case: no scheduler but the chosen one is loaded
+    from jobgen.schedulers import directive_prefixes
+
+    known = directive_prefixes()
+    for line in lines:
+        if line.split(maxsplit=1)[0] not in known:
+            accepted = ", ".join(f"{prefix} ({' or '.join(names)})" for prefix, names in known.items())
+            raise JobgenError(f"extra_directives: '{line}' is no scheduler's directive; accepted prefixes: {accepted}")
 
 
 def directive_options(line: str) -> list[tuple[str, str]]:

@@ -15,7 +15,8 @@ from typing import Optional
 
 from jobgen.errors import JobgenError
 from jobgen.models import Job
-from jobgen.schedulers.base import Scheduler
+from jobgen import runfiles
+from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
 
 
@@ -23,15 +24,18 @@ class Local(Scheduler):
     name = "local"
     template = "local.sh.j2"
     launchers = ("local",)
+    # `submit` sets the job id; a script run by hand makes one up (see the template).
+    job_environment = JobEnvironment(job_id="JOBGEN_JOB_ID")
+    runs_in_foreground = True
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         job_id = f"local-{os.getpid()}-{int(time.time())}"
         env = {**os.environ, "JOBGEN_JOB_ID": job_id}
-        log = run_dir / "logs" / f"{job_id}.out"
+        log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
         # The script writes its own log (as on every scheduler); its output also comes here.
         process = subprocess.Popen(["bash", str(script)], env=env, stdout=sys.stderr)
-        (run_dir / "local.pid").write_text(f"{job_id} {process.pid}\n")
+        (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {process.pid}\n")
         try:
             process.wait()
         except KeyboardInterrupt:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from jobgen.commands import require, run
 from jobgen.errors import JobgenError
 from jobgen.models import Job
-from jobgen.schedulers.base import Scheduler, directive_options, hms, memory_text
+from jobgen.schedulers.base import JobEnvironment, Scheduler, directive_options, hms, memory_text
 from jobgen.schedulers.state import JobState
 
 # The option key of the line that asks for nodes: `-l select=...` (PBS Pro), `-l nodes=...` (Torque).
@@ -21,6 +21,15 @@ class PbsPro(Scheduler):
     template = "pbs.sh.j2"
     launchers = ("pbsdsh", "pbs_tmrsh", "ssh", "mpiexec")
     directive_prefix = "#PBS"
+    # PBS keeps no restart count in the environment: JOBGEN_RESTART_COUNT is passed on (see the template).
+    job_environment = JobEnvironment(job_id="PBS_JOBID", submit_dir="PBS_O_WORKDIR", nodes="PBS_NODEFILE")
+    reserved_prefixes = ("PBS_",)
+    # qstat's job_state letters of a job not yet finished: queued, running, held, exiting,
+    # suspended, waiting, array begun (Torque's T, in transit, too).
+    active_states = frozenset("QRHESWBT")
+    # How pbsdsh picks the node to start a task on: PBS Pro's takes its index in the node list
+    # (-n INDEX), Torque's its host name (-h HOST). The pbsdsh launcher reads this.
+    pbsdsh_by_host = False
     option_fixes = {
         "-N": "set name in the job file instead",
         CHUNK_REQUEST: "put chunk resources in resources.chunk_resources",
@@ -35,6 +44,9 @@ class PbsPro(Scheduler):
         "-j": "remove it: jobgen joins stdout and stderr in one batch log",
         "-v": "name the variables in environment.secrets instead",
     }
+
+    def template_variables(self, job: Job) -> dict[str, Any]:
+        return {**super().template_variables(job), "pbsdsh_by_host": self.pbsdsh_by_host}
 
     def options(self, job: Job) -> list[str]:
         res = job.resources

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from jobgen.commands import require, run, scheduler_message
 from jobgen.errors import JobgenError
 from jobgen.models import Job
-from jobgen.schedulers.base import Scheduler, directive_options, memory_text
+from jobgen.schedulers.base import JobEnvironment, Scheduler, directive_options, memory_text
 from jobgen.schedulers.state import JobState, parse_key_values
 
 if TYPE_CHECKING:  # imported when submitting only: render's start-up stays without it
@@ -23,6 +23,15 @@ class Slurm(Scheduler):
     template = "slurm.sh.j2"
     launchers = ("srun",)
     directive_prefix = "#SBATCH"
+    job_environment = JobEnvironment(
+        job_id="SLURM_JOB_ID", restart_count="SLURM_RESTART_COUNT", submit_dir="SLURM_SUBMIT_DIR", nodes="SLURM_JOB_NODELIST"
+    )
+    reserved_prefixes = ("SLURM_",)
+    # squeue's and scontrol's words for a job that is queued, running or coming back.
+    active_states = frozenset({
+        "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED",
+        "RESIZING",
+    })
     option_fixes = {
         "job-name": "set name in the job file instead",
         "nodes": "set resources.nodes instead",
@@ -92,7 +101,6 @@ class Slurm(Scheduler):
             ]
         return []
 
-    # `submission()` is the base class's: the rendered script itself, which is what sbatch gets.
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         require("sbatch", "Slurm")
         from submitit.core.utils import FailedJobError

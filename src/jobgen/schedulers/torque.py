@@ -16,6 +16,7 @@ class Torque(PbsPro):
     template = "torque.sh.j2"
     launchers = ("pbsdsh", "ssh", "mpiexec")
     option_fixes = {**PbsPro.option_fixes, "-n": "set resources.exclusive instead"}
+    pbsdsh_by_host = True
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
