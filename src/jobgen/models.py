@@ -291,6 +291,12 @@ class Training(_Strict):
     max_length: int = Field(2048, ge=8)
     save_interval: int = Field(200, ge=1, description="optimizer steps between periodic checkpoints")
     keep_checkpoints: int = Field(2, ge=1)
+    async_save: bool = Field(
+        True,
+        description="training pauses at a checkpoint only to copy its state into host memory (one more copy "
+        "of each rank's share of it); writing, fsync, hashing and the commit run in the background, and a stop "
+        "waits for them. false: training waits for the whole save and needs no host copy",
+    )
     step_seconds_estimate: Optional[float] = Field(
         None, gt=0, description="your estimate of one optimizer step, used only to warn about save_interval"
     )

@@ -42,7 +42,7 @@ log = logging.getLogger("jobgen.train")
 # max_steps and epochs set the LR schedule's total, which is checked on its own (check_schedule_total).
 RESUME_SAFE_FIELDS = {
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
-    "output_dir", "step_seconds_estimate",
+    "output_dir", "step_seconds_estimate", "async_save",
 }
 
 
@@ -187,7 +187,10 @@ class Trainer:
         dist = self.dist = Distributed(self.info, self.p.placement)
         t = self.t
         os.makedirs(self.p.output_dir, exist_ok=True)
-        store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
+        store = self.store = ckpt.CheckpointStore(
+            os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints,
+            background=t.async_save, on_commit=self._committed_in_background,
+        )
         error: Optional[BaseException] = None
         found = None
         try:
@@ -333,12 +336,13 @@ class Trainer:
                     })
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps:
-                    self._save_checkpoint(step, order)
+                    self._save_checkpoint(step, order, wait=stop or step == total_steps)
         finally:
             self.report.train_seconds = round(time.perf_counter() - loop_start, 3)
             metrics.close()
             if sample_log:
                 sample_log.close()
+        self.store.wait()  # a stop or the end: the save in flight is committed before anything else
         if stop:
             if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
                 self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
@@ -371,7 +375,8 @@ class Trainer:
         return self.report.signal or "a signal"
 
     # -------------------------------------------------------------- outputs
-    def _save_checkpoint(self, step: int, order: BatchOrder) -> None:
+    def _save_checkpoint(self, step: int, order: BatchOrder, wait: bool = True) -> None:
+        """Collective. With training.async_save, training resumes after the snapshot unless `wait`."""
         epoch, consumed = divmod(step * self.t.gradient_accumulation, order.batches_per_epoch)
         state = {
             "epoch": epoch,
@@ -381,11 +386,27 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
         }
         started = time.perf_counter()
+        if self.t.async_save:
+            waited = self.store.start_save(self.engine, step, state)
+            if self.dist.is_main:
+                log.info("checkpoint of step %d: training paused %.2f s (%.2f s of it waiting for the previous save); "
+                         "writing in the background", step, time.perf_counter() - started, waited)
+            if wait:
+                self.store.wait()
+            return
         self.report.checkpoint = self.store.save(self.engine, step, state)
         seconds = time.perf_counter() - started
         if self.dist.is_main:
             log.info("checkpoint %s (%.1f s)", self.report.checkpoint, seconds)
             self._warn_if_stop_is_too_slow(seconds)
+
+    def _committed_in_background(self, path: str, seconds: float) -> None:
+        """Runs in the save thread of every rank: the newest complete checkpoint is `path`."""
+        self.report.checkpoint = path
+        if self.dist.is_main:
+            log.info("checkpoint %s (written in the background in %.1f s)", path, seconds)
+            # A stop may find a save in flight: it waits for it, then saves its own step.
+            self._warn_if_stop_is_too_slow(2 * seconds)
 
     def _warn_if_stop_is_too_slow(self, save_seconds: float) -> None:
         """Once: a stop must finish a step and a checkpoint inside the requeue warning."""
