@@ -23,7 +23,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
@@ -100,19 +100,33 @@ def user_config_file() -> Path:
     return user_config_dir() / "config.yaml"
 
 
-def site_folders() -> list[SiteFolder]:
-    """Where profiles are looked up by name, first match first; the bundled examples come last."""
-    folders = [SiteFolder("$JOBGEN_SITE_PATH", Path(p)) for p in os.environ.get("JOBGEN_SITE_PATH", "").split(":") if p]
-    folders.append(SiteFolder("user config", user_config_dir() / "sites"))
-    folders.append(SiteFolder("system", Path("/etc/jobgen/sites")))
-    folders.append(SiteFolder("bundled", bundled_path("configs") / "sites"))
-    return folders
+def site_folders() -> Iterator[SiteFolder]:
+    """Where profiles are looked up by name, first match first; the bundled examples come last.
+
+    Lazily: installed site packages (entry-point group `jobgen.sites`) are looked up only when a
+    search gets past /etc/jobgen/sites, so a site's own profile costs no entry-point scan."""
+    for folder in os.environ.get("JOBGEN_SITE_PATH", "").split(":"):
+        if folder:
+            yield SiteFolder("$JOBGEN_SITE_PATH", Path(folder))
+    yield SiteFolder("user config", user_config_dir() / "sites")
+    yield SiteFolder("system", Path("/etc/jobgen/sites"))
+    from jobgen.plugins import site_package_folders
+
+    for name, package in site_package_folders():
+        yield SiteFolder(f"site package {name}", package / "sites")
+    yield SiteFolder("bundled", bundled_path("configs") / "sites")
 
 
-def find_site(name: str) -> list[tuple[SiteFolder, Path]]:
+def find_site(name: str, first_only: bool = False) -> list[tuple[SiteFolder, Path]]:
     """Every profile file named `name` on the search path: the first is used, the others are shadowed."""
-    found = [(folder, folder.path / f"{name}.yaml") for folder in site_folders()]
-    return [(folder, path) for folder, path in found if path.is_file()]
+    found = []
+    for folder in site_folders():
+        path = folder.path / f"{name}.yaml"
+        if path.is_file():
+            found.append((folder, path))
+            if first_only:
+                break
+    return found
 
 
 def all_sites() -> dict[str, list[tuple[SiteFolder, Path]]]:
@@ -159,7 +173,7 @@ def load_site(name: Optional[str]) -> SiteProfile:
         return SiteProfile(name="", path=None)
     path = Path(name)
     if not (name.endswith((".yaml", ".yml")) and path.is_file()):
-        found = find_site(name)
+        found = find_site(name, first_only=True)
         if not found:
             looked = ", ".join(str(folder.path) for folder in site_folders())
             raise JobgenError(f"site profile '{name}' not found; looked in {looked} (set JOBGEN_SITE_PATH to add a folder)")
