@@ -20,7 +20,7 @@ from jobgen.errors import JobgenError
 from jobgen.models import Job
 from jobgen.train.data import ROLES, check_conversations_head, load_conversations
 from jobgen.train.errors import UserError
-from tests.helpers import jobgen
+from tests.helpers import REPO, jobgen
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GOOD_JOB = {
@@ -197,7 +197,7 @@ def test_a_template_override_of_any_content(folder: Path, monkeypatch_module, co
         render_module.render(resolved, "slurm")
     except JobgenError as error:
         [line] = str(error).splitlines()
-        assert line.startswith("template "), line
+        assert line.startswith((f"{overrides}/", f"{REPO}/templates/", "slurm.sh.j2:", "node.sh.j2:", "job.sh.j2:")), line
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,7 @@ def test_a_latin1_site_profile_template_override_and_data_file_are_named(tmp_pat
     config.write_text(yaml.safe_dump(GOOD_JOB))
     result = jobgen("render", "-s", "slurm", "--site", str(tmp_path / "site.yaml"), str(config), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"jobgen: error: template {tmp_path}/templates/slurm.sh.j2: not UTF-8 text: byte 0xe9 at line 1, column 6" in result.stderr
+    assert f"jobgen: error: {tmp_path}/templates/slurm.sh.j2: not UTF-8 text: byte 0xe9 at line 1, column 6" in result.stderr
     result = jobgen("validate", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"jobgen: error: {tmp_path}/data.json: not UTF-8 text: byte 0xe9 at line 2, column 12" in result.stderr
@@ -305,10 +305,10 @@ def test_a_template_override_mistake_is_one_line_with_file_and_line(tmp_path: Pa
     override = tmp_path / "templates" / "slurm.sh.j2"
     cases = {
         "{% extends 'bundled/slurm.sh.j2' %}\n{% block prologue %}\n{{ partiton }}\n{% endblock %}\n":
-            f"template {override}, line 3: 'partiton' is undefined",
-        "#!/bin/bash\n{% if job.name %}\n": f"template {override}, line 2: Unexpected end of template. Jinja was looking "
+            f"{override}:3: 'partiton' is undefined",
+        "#!/bin/bash\n{% if job.name %}\n": f"{override}:2: Unexpected end of template. Jinja was looking "
             "for the following tags: 'elif' or 'else' or 'endif'. The innermost block that needs to be closed is 'if'.",
-        "{% extends 'slurm.sh.j2' %}\n": "template slurm.sh.j2: extends or includes itself, directly or through another "
+        "{% extends 'slurm.sh.j2' %}\n": "slurm.sh.j2: extends or includes itself, directly or through another "
             "template; an override extends the shipped one as 'bundled/slurm.sh.j2'",
     }
     for text, message in cases.items():

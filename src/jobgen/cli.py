@@ -10,9 +10,11 @@ from typing import Optional
 
 import click
 
+from jobgen.cli_templates import template_dir_option, templates
 from jobgen.errors import JobgenError
 from jobgen.sites_cli import sites
 from jobgen.startup import skip_startup_costs
+
 
 class SchedulerName(click.ParamType):
     """--scheduler: a bundled scheduler or an installed plug-in's. Installed plug-ins are looked
@@ -34,7 +36,6 @@ class SchedulerName(click.ParamType):
         from jobgen.schedulers import scheduler_names
 
         return f"[{'|'.join(scheduler_names())}]"
-
 
 
 class JobgenGroup(click.Group):
@@ -111,8 +112,9 @@ def _check_files(job) -> None:
 @scheduler_option
 @site_option
 @set_option
+@template_dir_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
-def render(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], output: Optional[Path]) -> None:
+def render(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], output: Optional[Path]) -> None:
     """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub."""
     from jobgen.render import render as render_script
     from jobgen.schedulers import get_scheduler
@@ -121,7 +123,7 @@ def render(config: Path, scheduler: Optional[str], site: Optional[str], override
     scheduler = _scheduler(scheduler, resolved)
     for warning in get_scheduler(scheduler).warnings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
-    script = render_script(resolved, scheduler)
+    script = render_script(resolved, scheduler, template_dirs)
     if output is None:
         click.echo(script, nl=False)
         return
@@ -135,10 +137,15 @@ def render(config: Path, scheduler: Optional[str], site: Optional[str], override
 @config_argument
 @site_option
 @set_option
-def validate(config: Path, site: Optional[str], overrides: tuple[str, ...]) -> None:
-    """Check CONFIG and the files it names, and show the derived values (world size, global batch)."""
-    job = _resolve(config, site, overrides).job
+@template_dir_option
+def validate(config: Path, site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...]) -> None:
+    """Check CONFIG, the files it names and the template overrides, and show the derived values (world size, global batch)."""
+    resolved = _resolve(config, site, overrides)
+    job = resolved.job
     _check_files(job)
+    from jobgen.render import check_override_templates
+
+    check_override_templates(template_dirs, resolved.site.template_dir)
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
         f"{job.world_size} ({job.backend}); global batch {job.global_batch}; {job.training.method}, "
@@ -159,8 +166,9 @@ def schema() -> None:
 @scheduler_option
 @site_option
 @set_option
+@template_dir_option
 @click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
-def submit(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], dry_run: bool) -> None:
+def submit(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], dry_run: bool) -> None:
     """Submit CONFIG and print its job id.
 
     \b
@@ -176,14 +184,14 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
     scheduler = _scheduler(scheduler, resolved)
     _check_files(resolved.job)
     if dry_run:
-        planned = submission.plan(resolved, scheduler)
+        planned = submission.plan(resolved, scheduler, template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
         click.echo(f"# ---- {planned.script_path} ----", err=True)
         click.echo(planned.script, nl=False)
         return
     from jobgen.schedulers import get_scheduler
 
-    job_id, planned = submission.submit(resolved, scheduler)
+    job_id, planned = submission.submit(resolved, scheduler, template_dirs)
     foreground = get_scheduler(scheduler).runs_in_foreground
     done = f"ran {scheduler} job" if foreground else "submitted job"
     click.echo(f"jobgen: {done} {job_id}; run directory {planned.run.path}", err=True)
@@ -246,6 +254,8 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
 
 main.add_command(sites)
+
+main.add_command(templates)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Slurm/PBS names for partitions, queues, accounts, QoS, modules: conservative on purpose.
@@ -258,6 +258,70 @@ def _check_env_name(name: str) -> None:
         raise ValueError(f"{name!r} is set by the scheduler or by jobgen and cannot be overridden")
 
 
+# SRC:DST[:ro|rw], both absolute: the one syntax pyxis (--container-mounts) and Apptainer (--bind)
+# share. Commas separate mounts in both, and ':' separates the parts.
+_MOUNT = re.compile(r"^(/[^,:]*):(/[^,:]*)(?::(ro|rw))?$")
+# Options jobgen writes itself for each runtime, and what to set instead.
+CONTAINER_OWN_FLAGS = {
+    "pyxis": {"--container-image": "set container.image", "--container-mounts": "set container.mounts"},
+    "apptainer": {"--nv": "set resources.gpus_per_node", "--bind": "set container.mounts", "-B": "set container.mounts"},
+}
+CONTAINER_OWN_FLAGS["singularity"] = CONTAINER_OWN_FLAGS["apptainer"]
+
+
+class Container(_Strict):
+    """The container each node's command runs in: off unless `image` is set. A site profile may
+    set `runtime` (and mounts, flags) for every job; a job then names only its image."""
+
+    runtime: Optional[Literal["pyxis", "apptainer", "singularity"]] = Field(
+        None,
+        description="pyxis: srun --container-image (Slurm with the pyxis plug-in and enroot); apptainer or "
+        "singularity: '<runtime> exec' around each node's command, on any scheduler",
+    )
+    image: Optional[str] = Field(
+        None, min_length=1, description="e.g. nvcr.io#nvidia/pytorch:24.05-py3 (pyxis) or /images/ft.sif (apptainer)"
+    )
+    mounts: list[str] = Field(
+        default_factory=list,
+        description="SRC:DST or SRC:DST:ro, absolute paths; the working and run directories are always mounted",
+    )
+    flags: list[str] = Field(
+        default_factory=list,
+        description="more options, one argument each: srun's --container-* options (pyxis) or 'apptainer exec' options",
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image_is_one_word(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if value is not None and (not value.isprintable() or value != value.strip() or " " in value):
+            raise ValueError("must be one image name or path, without spaces or control characters")
+        # (A runtime that failed its own check is not in info.data: that error is enough.)
+        if value is not None and "runtime" in info.data and info.data["runtime"] is None:
+            raise ValueError("needs container.runtime: pyxis, apptainer or singularity (a site profile may set it)")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts_are_src_dst(cls, value: list[str]) -> list[str]:
+        for mount in value:
+            if not _MOUNT.match(mount):
+                raise ValueError(
+                    f"{mount!r} is not SRC:DST or SRC:DST:ro with absolute paths and no ',' (e.g. /scratch/data:/data:ro)"
+                )
+        return value
+
+    @field_validator("flags")
+    @classmethod
+    def _flags_are_options_jobgen_does_not_write(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        for flag in value:
+            if not flag.startswith("-") or not flag.isprintable():
+                raise ValueError(f"{flag!r} is not an option; give options only, one argument each, e.g. ['--writable-tmpfs']")
+            fix = CONTAINER_OWN_FLAGS.get(info.data.get("runtime") or "", {}).get(flag.split("=")[0])
+            if fix:
+                raise ValueError(f"{flag!r} is written by jobgen; {fix} instead")
+        return value
+
+
 class Lora(_Strict):
     r: int = Field(16, ge=1, le=1024)
     alpha: int = Field(32, ge=1)
@@ -337,6 +401,7 @@ class Job(_Strict):
     environment: Environment = Field(default_factory=Environment)
     training: Training
     requeue: Requeue = Field(default_factory=Requeue)
+    container: Container = Field(default_factory=Container)
     extra_directives: list[str] = Field(
         default_factory=list, description="site-specific header lines, e.g. '#SBATCH --reservation=ft'"
     )

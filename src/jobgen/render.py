@@ -18,10 +18,12 @@ import yaml
 from jobgen import __version__
 from jobgen.config import ResolvedJob
 from jobgen.errors import JobgenError
+from jobgen.containers import check_container
 from jobgen.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
 from jobgen.runfiles import TEMPLATE_FILES
 from jobgen.schedulers import get_scheduler
+from jobgen.template_search import BUNDLED, TemplateFolder, search_path
 from jobgen.textfile import file_not_utf8_message
 
 JOB_YAML_END = "JOBGEN_JOB_YAML"
@@ -47,15 +49,12 @@ def as_comment(value: Any) -> Raw:
     return Raw("".join(ch if ch.isprintable() else "?" for ch in str(value)))
 
 
-def template_environment(override_dir: Optional[Path] = None, scheduler_dirs: Sequence[Path] = ()) -> jinja2.Environment:
-    """Site overrides first, then a plug-in scheduler's own folder, then the bundled templates;
-    `bundled/NAME` always means the shipped one."""
+def template_environment(folders: Sequence[TemplateFolder] = ()) -> jinja2.Environment:
+    """Templates from `folders` (template_search.search_path()), first match wins; the bundled
+    ones last, and as `bundled/NAME` always."""
     bundled = jinja2.FileSystemLoader(str(bundled_path("templates")))
-    loaders: list[jinja2.BaseLoader] = []
-    if override_dir:
-        loaders.append(_OverrideLoader(str(override_dir)))
-    loaders += [_OverrideLoader(str(folder)) for folder in scheduler_dirs]
-    loaders += [bundled, jinja2.PrefixLoader({"bundled": bundled})]
+    loaders: list[jinja2.BaseLoader] = [_OverrideLoader(str(folder.path)) for folder in folders if not folder.bundled]
+    loaders += [bundled, jinja2.PrefixLoader({BUNDLED: bundled})]
     env = jinja2.Environment(
         loader=jinja2.ChoiceLoader(loaders),
         # Compiled templates are reused across runs (a fifth of a cold render). Jinja keeps them
@@ -77,14 +76,14 @@ def template_environment(override_dir: Optional[Path] = None, scheduler_dirs: Se
 
 
 class _OverrideLoader(jinja2.FileSystemLoader):
-    """A site's folder of overrides: a file that is not UTF-8 is named with its first bad byte."""
+    """A folder of overrides: a file that is not UTF-8 is named with its first bad byte."""
 
     def get_source(self, environment: jinja2.Environment, template: str):
         try:
             return super().get_source(environment, template)
         except UnicodeDecodeError:
             path = Path(self.searchpath[0], *template.split("/"))
-            raise JobgenError(f"template {path}: {file_not_utf8_message(path)}") from None
+            raise JobgenError(f"{path}: {file_not_utf8_message(path)}") from None
 
 
 def _bytecode_cache() -> Optional[jinja2.BytecodeCache]:
@@ -100,10 +99,16 @@ def job_yaml(job: Job) -> str:
     return yaml.dump(job.model_dump(mode="json"), Dumper=dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
-def render(resolved: ResolvedJob, scheduler_name: str) -> str:
+def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[Path] = ()) -> str:
+    """The batch script; `template_dirs` (`--template-dir`) come first on the template search path."""
     job = resolved.job
     scheduler = get_scheduler(scheduler_name)
-    env = template_environment(resolved.site.template_dir, scheduler.template_dirs())
+    launcher = scheduler.launcher(job)
+    check_container(job, scheduler.name, launcher)
+    folders = search_path(template_dirs, resolved.site.template_dir, site_packages=bool(resolved.site.name))
+    # A plug-in scheduler's own template: after every override, before the bundled templates.
+    folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
+    env = template_environment(folders)
     context = {
         "job": job,
         "version": __version__,
@@ -111,7 +116,7 @@ def render(resolved: ResolvedJob, scheduler_name: str) -> str:
         "files": TEMPLATE_FILES,  # the run directory's file names (jobgen.runfiles)
         "site": resolved.site.name,
         "directives": [Raw(line) for line in scheduler.directives(job)],
-        "launcher": scheduler.launcher(job),
+        "launcher": launcher,
         "nccl": nccl_variables(job),
         "job_yaml": Raw(job_yaml(job)),
         "job_yaml_end": Raw(JOB_YAML_END),
@@ -126,35 +131,54 @@ def render(resolved: ResolvedJob, scheduler_name: str) -> str:
 
 
 def _render_template(env: jinja2.Environment, name: str, context: dict[str, Any]) -> str:
-    """A template's mistake (a site override's, usually) is one line naming its file and line."""
+    """A template's mistake (an override's, usually) is one line: `FILE:LINE: what is wrong`."""
     try:
         return env.get_template(name).render(context)
     except JobgenError:
         raise
     except jinja2.TemplateSyntaxError as error:
-        raise JobgenError(f"template {error.filename or error.name or name}, line {error.lineno}: {error.message}") from None
+        raise JobgenError(f"{error.filename or error.name or name}:{error.lineno}: {error.message}") from None
     except jinja2.TemplateNotFound as error:
         where = _template_line(error.__traceback__) or name
-        raise JobgenError(f"template {where}: no template {error.name!r} in the site's folder or the bundled ones") from None
+        raise JobgenError(f"{where}: no template {error.name!r} on the template search path (jobgen templates list shows it)") from None
     except RecursionError:
         raise JobgenError(
-            f"template {name}: extends or includes itself, directly or through another template; "
-            f"an override extends the shipped one as 'bundled/{name}'"
+            f"{name}: extends or includes itself, directly or through another template; "
+            f"an override extends the shipped one as '{BUNDLED}/{name}'"
         ) from None
     except Exception as error:
         where = _template_line(error.__traceback__)
         if not isinstance(error, jinja2.TemplateError) and (where is None or where.startswith(str(bundled_path("templates")))):
             raise  # not a template's mistake but jobgen's own: keep the traceback
-        raise JobgenError(f"template {where or name}: {error}") from None
+        raise JobgenError(f"{where or name}: {error}") from None
+
+
+def check_override_templates(template_dirs: Sequence[Path] = (), site_folder: Optional[Path] = None) -> None:
+    """Every template in a folder before the bundled one parses (`validate`, which has no
+    scheduler to render for): a syntax error is `FILE:LINE: what is wrong`."""
+    folders = [folder for folder in search_path(template_dirs, site_folder, site_packages=False) if not folder.bundled]
+    if not folders:
+        return
+    env = template_environment(folders)
+    for folder in folders:
+        for path in sorted(folder.path.rglob("*.j2")):
+            try:
+                source = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise JobgenError(f"{path}: {file_not_utf8_message(path)}") from None
+            try:
+                env.parse(source, path.relative_to(folder.path).as_posix(), str(path))
+            except jinja2.TemplateSyntaxError as error:
+                raise JobgenError(f"{path}:{error.lineno}: {error.message}") from None
 
 
 def _template_line(traceback: Optional[TracebackType]) -> Optional[str]:
-    """`FILE, line N` of the innermost template frame (Jinja marks its rewritten frames)."""
+    """`FILE:LINE` of the innermost template frame (Jinja marks its rewritten frames)."""
     where = None
     while traceback is not None:
         frame = traceback.tb_frame
         if "__jinja_exception__" in frame.f_globals:
-            where = f"{frame.f_code.co_filename}, line {traceback.tb_lineno}"
+            where = f"{frame.f_code.co_filename}:{traceback.tb_lineno}"
         traceback = traceback.tb_next
     return where
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from jobgen.config import ResolvedJob
 from jobgen.errors import JobgenError
@@ -31,14 +32,14 @@ def run_dir_for(resolved: ResolvedJob) -> RunDir:
     return RunDir((base / job.effective_run_dir).resolve())
 
 
-def plan(resolved: ResolvedJob, scheduler_name: str) -> Plan:
+def plan(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[Path] = ()) -> Plan:
     run = run_dir_for(resolved)
-    return Plan(run=run, script_path=run.script(scheduler_name), script=render(resolved, scheduler_name))
+    return Plan(run=run, script_path=run.script(scheduler_name), script=render(resolved, scheduler_name, template_dirs))
 
 
-def submit(resolved: ResolvedJob, scheduler_name: str) -> tuple[str, Plan]:
+def submit(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[Path] = ()) -> tuple[str, Plan]:
     scheduler = get_scheduler(scheduler_name)
-    planned = plan(resolved, scheduler_name)
+    planned = plan(resolved, scheduler_name, template_dirs)
     refuse_if_active(planned.run)
     planned.run.logs.mkdir(parents=True, exist_ok=True)
     write_atomic(planned.run.job_file, job_yaml(resolved.job))
