@@ -142,6 +142,17 @@ def test_resuming_on_a_different_world_size_is_refused_at_once(runs, tools, tmp_
     assert time.monotonic() - started < 120  # no waiting for the process-group timeout (3 min here)
 
 
+def test_resuming_with_a_different_max_steps_is_refused_in_one_line(runs, tools, tmp_path, tiny):
+    """The checkpoint's run had 12 steps on a cosine schedule; 20 would bend its learning rate."""
+    job = _copy_run(runs["straight"], tmp_path / "copy")
+    tools.write_job(job.parent, tiny, max_steps=20)
+    result = tools.train(job)
+    assert result.returncode != 0
+    assert ("jobgen-train: error: training.max_steps: checkpoint step-000012 belongs to a run of 12 steps on a cosine "
+            "schedule, this job has 20") in result.stdout
+    assert "jobgen/train/" not in result.stdout
+
+
 def _worker_pids(parent: int) -> dict[int, int]:
     """rank -> pid of torchrun's worker processes."""
     found = {}
