@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -156,11 +157,28 @@ def test_sites_show_prints_the_profile_as_read_and_where_it_came_from(tmp_path: 
     assert shown == {**PROFILE, "templates": str(tmp_path / "sites" / "overrides")}
 
 
-def test_sites_check_passes_on_the_bundled_pbs_pro_profile() -> None:
-    result = jobgen("sites", "check", "pbspro-tmrsh")
+ARCHETYPES = {  # profile: (scheduler, the jobs it renders: the bundled examples and its own)
+    "slurm-pyxis": ("slurm", len(EXAMPLES) + 1),
+    "slurm-apptainer-lmod": ("slurm", len(EXAMPLES)),
+    "pbspro-tmrsh": ("pbs", len(EXAMPLES)),
+}
+
+
+@pytest.mark.parametrize("profile", ARCHETYPES)
+def test_sites_check_passes_on_each_bundled_archetype(profile: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    scheduler, jobs = ARCHETYPES[profile]
+    if scheduler == "slurm":
+        request.getfixturevalue("slurm_cluster")  # so that sbatch --test-only runs, on the test cluster
+    result = jobgen("sites", "check", profile, env={"XDG_CONFIG_HOME": str(tmp_path)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == ""
-    assert f"pbs: {len(EXAMPLES)} job(s), {len(EXAMPLES)} rendered; bash -n, shellcheck: 0 problem(s)" in result.stderr
+    checks = "bash -n, shellcheck, sbatch --test-only" if scheduler == "slurm" else "bash -n, shellcheck"
+    assert f"site {profile}, {scheduler}: {jobs} job(s), {jobs} rendered; {checks}: 0 problem(s)" in result.stderr
+    if profile == "slurm-pyxis":
+        # The test cluster's Slurm has no pyxis: the check says what it could not check there.
+        has_pyxis = "--container-image" in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout
+        noted = "1 job(s) use pyxis, and this Slurm's srun has no --container-image (pyxis is not installed here)"
+        assert (noted in result.stderr) == (not has_pyxis)
 
 
 @pytest.mark.usefixtures("slurm_cluster")

@@ -107,6 +107,7 @@ def check(name: Optional[str], scheduler: Optional[str]) -> None:
         for index, job in enumerate(jobs):
             checker.render(job, name, scheduler, Path(folder) / str(index))
         checker.lint()
+    checker.note_pyxis()
     for line in checker.problems:
         click.echo(line)
     for line in checker.notes:
@@ -141,17 +142,22 @@ class _ScriptChecker:
         if sbatch and not self.sbatch:
             self.notes.append("sbatch is not on PATH: `sbatch --test-only` was not run (run the check on a login node)")
         self._files: dict[str, tuple[Path, str]] = {}  # rendered file -> (job file, "batch script" or "node script")
+        self.pyxis_jobs: list[Path] = []
 
     def render(self, job: Path, site: str, scheduler: str, folder: Path) -> None:
         from jobgen.config import resolve_job
         from jobgen.render import NODE_SCRIPT_END, render
 
         try:
-            script = render(resolve_job(job, site), scheduler)
+            resolved = resolve_job(job, site)
+            script = render(resolved, scheduler)
         except JobgenError as error:
             self._problem(job, *str(error).splitlines())
             return
         self.rendered += 1
+        container = resolved.job.container
+        if container.image and container.runtime == "pyxis":
+            self.pyxis_jobs.append(job)
         folder.mkdir()
         scripts = {"batch script": script}
         node = re.search(rf"<<'{NODE_SCRIPT_END}'\n(.*?)^{NODE_SCRIPT_END}$", script, re.S | re.M)
@@ -180,6 +186,21 @@ class _ScriptChecker:
             from jobgen.commands import scheduler_message
 
             self._problem(job, f"sbatch --test-only: {scheduler_message(result.stderr or result.stdout)}")
+
+    def note_pyxis(self) -> None:
+        """pyxis's options are on the srun line in the script, which `sbatch --test-only` does not
+        read, and only a Slurm with the pyxis plug-in knows them: say when this one cannot."""
+        if not (self.sbatch and self.pyxis_jobs):
+            return
+        try:
+            help_text = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            help_text = ""
+        if "--container-image" not in help_text:
+            self.notes.append(
+                f"{len(self.pyxis_jobs)} job(s) use pyxis, and this Slurm's srun has no --container-image (pyxis is not "
+                "installed here): their srun container options were not checked; run the check where pyxis is"
+            )
 
     def lint(self) -> None:
         """One shellcheck for every file: it takes a fraction of a second to start, once."""
