@@ -134,11 +134,10 @@ def test_a_site_sets_the_runtime_and_a_job_only_its_image(tmp_path: Path) -> Non
 # --- the Apptainer path, run for real with a stand-in -------------------------------------------
 
 STAND_IN_APPTAINER = r"""#!/bin/bash
-# A stand-in for apptainer, which cannot be installed here: it records its arguments (one line
-# per call, shell-quoted), then runs the command it was given in this process, without a
-# container: `exec [OPTIONS] IMAGE COMMAND...` -> exec COMMAND...
-printf '%q ' "$@" >> "$STAND_IN_LOG"
-echo >> "$STAND_IN_LOG"
+# A stand-in for apptainer, which cannot be installed here: it records its process id and its
+# arguments (one line per call, shell-quoted), then runs the command it was given in this
+# process, without a container: `exec [OPTIONS] IMAGE COMMAND...` -> exec COMMAND...
+{ printf '%s ' "$$"; printf '%q ' "$@"; echo; } >> "$STAND_IN_LOG"
 [[ $1 == exec ]] || { echo "stand-in apptainer: only 'exec' is known" >&2; exit 64; }
 shift
 while [[ $1 == -* ]]; do
@@ -193,6 +192,11 @@ def test_apptainer_stand_in_trains_two_nodes_and_a_stop_reaches_the_ranks(tmp_pa
     while not (metrics.exists() and any(json.loads(line)["step"] >= 1 for line in metrics.read_text().splitlines())):
         assert submit.poll() is None and time.monotonic() < deadline, submit.stdout.read() if submit.poll() is not None else "no step 1"
         time.sleep(0.2)
+    # Each node is one process from its launcher to torchrun (every step an exec), so a signal
+    # the scheduler sends every process of the job reaches torchrun, which passes it to the ranks.
+    calls = sorted((shlex.split(line) for line in log.read_text().splitlines()), key=lambda call: call[-2])  # by rank
+    for call in calls:
+        assert "jobgen-torchrun" in Path(f"/proc/{call[0]}/cmdline").read_text(), call
     _, batch_pid = (run_dir / "local.pid").read_text().split()
     os.kill(int(batch_pid), signal.SIGUSR1)  # what Slurm sends before the time limit
     output, _ = submit.communicate(timeout=180)
@@ -204,8 +208,7 @@ def test_apptainer_stand_in_trains_two_nodes_and_a_stop_reaches_the_ranks(tmp_pa
     assert "stopped (time_limit) with a complete checkpoint" in output
     # The stand-in saw each node's command: the image, the binds (the working and run directories,
     # then the job's mounts), the flags, and node.sh with the node's rank; no --nv on CPUs.
-    calls = sorted(shlex.split(line) for line in log.read_text().splitlines())
-    assert calls == [
+    assert [call[1:] for call in calls] == [
         ["exec", "--bind", f"{tmp_path},{run_dir},{tmp_path}/data:/data:ro", "--writable-tmpfs", "/images/stand-in.sif",
          "/bin/bash", f"{run_dir}/node.sh", str(rank), "in-container"]
         for rank in (0, 1)
