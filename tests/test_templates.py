@@ -160,3 +160,15 @@ def test_templates_list_and_show(job_folder: Path) -> None:
     assert missing.returncode == 2
     assert missing.stderr.splitlines() == [
         "jobgen: error: no template 'lsf.sh.j2' on the template search path; jobgen templates list shows every name"]
+
+
+def test_templates_list_shows_an_installed_scheduler_plugins_template(tmp_path: Path) -> None:
+    from tests.test_scheduler_plugin import install_plugin
+
+    env = install_plugin(tmp_path / "site-packages")
+    listed = jobgen("templates", "list", cwd=tmp_path, env=env)
+    assert listed.returncode == 0, listed.stderr
+    [row] = [line for line in listed.stdout.splitlines() if line.startswith("shell.sh.j2 ")]
+    assert row.split()[1:] == ["scheduler", "shell,", "new", str(tmp_path / "site-packages" / "jobgen_shell" / "shell.sh.j2")]
+    shown = jobgen("templates", "show", "shell.sh.j2", cwd=tmp_path, env=env)
+    assert shown.stdout == (tmp_path / "site-packages" / "jobgen_shell" / "shell.sh.j2").read_text()

@@ -66,15 +66,30 @@ def site_package_folders() -> list[TemplateFolder]:
 def resolve_all(
     template_dirs: Sequence[Path] = (), site_folder: Optional[Path] = None
 ) -> tuple[list[TemplateFolder], dict[str, tuple[TemplateFolder, list[TemplateFolder]]]]:
-    """The search path, and for every template name (`*.j2`, relative to its folder) the folder
-    it resolves from and the folders after it that also hold it (what it overrides)."""
+    """The search path (with every installed scheduler plug-in's folder, which a render adds for
+    its own scheduler only), and for every template name (`*.j2` in a folder) the folder it
+    resolves from and the folders after it that also hold it (what it overrides)."""
     folders = search_path(template_dirs, site_folder)
+    folders[-1:-1] = plugin_scheduler_folders()
     found: dict[str, tuple[TemplateFolder, list[TemplateFolder]]] = {}
     for folder in folders:
-        for path in sorted(folder.path.rglob("*.j2")):
+        for path in sorted(folder.path.glob("*.j2")):
             name = path.relative_to(folder.path).as_posix()
             if name in found:
                 found[name][1].append(folder)
             else:
                 found[name] = (folder, [])
     return folders, found
+
+
+def plugin_scheduler_folders() -> list[TemplateFolder]:
+    """The template folder of each installed scheduler plug-in (entry-point group jobgen.schedulers)."""
+    from jobgen.schedulers import BUNDLED as BUNDLED_SCHEDULERS
+    from jobgen.schedulers import get_scheduler, scheduler_names
+
+    return [
+        TemplateFolder(f"scheduler {name}", path)
+        for name in scheduler_names()
+        if name not in BUNDLED_SCHEDULERS
+        for path in get_scheduler(name).template_dirs()
+    ]
