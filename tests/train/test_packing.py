@@ -146,3 +146,19 @@ def test_packed_run_sees_every_sample_once_per_epoch_and_cycles_to_max_steps(pac
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert metrics[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ends at max_steps
     assert metrics[3]["lr"] == pytest.approx(2e-4 * 0.5 * (1 + math.cos(math.pi * 4 / STEPS)), rel=1e-9)  # step 4
+
+
+def test_too_few_packed_rows_for_gradient_accumulation_is_one_line(tiny):
+    from jobgen.train.errors import UserError
+    from jobgen.train.trainer import _check_enough_batches
+
+    dataset = _dataset(tiny)  # 48 conversations make 20 rows of <= 256 tokens: 10 per rank, 3 batches of 4
+    training = Training(model="m", data="chats.json", packing=True, max_length=256, per_device_batch_size=4,
+                        gradient_accumulation=4)
+    batches = MicroBatches.build(dataset, 2, 0, 4, training.seed, False, 256)
+    with pytest.raises(UserError) as refused:
+        _check_enough_batches(batches, training)
+    assert str(refused.value) == (
+        "chats.json: the data makes 3 micro-batches of packed rows per rank, fewer than "
+        "training.gradient_accumulation (4): no optimizer step could run"
+    )
