@@ -19,6 +19,7 @@ import resource
 import time
 from typing import Any, Optional
 
+METRICS_FILE = "metrics.jsonl"
 STARTUP_FILE = "startup.jsonl"
 log = logging.getLogger("jobgen.train")
 
@@ -89,7 +90,7 @@ class MetricsWriter:
     def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, total_steps: int, first_step: int) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
-        self.handle = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if enabled else None
+        self.handle = open(os.path.join(output_dir, METRICS_FILE), "a", encoding="utf-8") if enabled else None
         self.tensorboard: Optional[Any] = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter

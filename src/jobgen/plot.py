@@ -1,0 +1,92 @@
+"""`jobgen plot`: a picture of a run. Above, the loss and tokens/s over the optimizer steps with
+each segment's start marked; below, the segments on a wall-clock timeline, each with how it ended
+(preempted, time limit, completed, ...) and the run's goodput as `jobgen status` computes it.
+
+matplotlib is an optional extra (`pip install 'jobgen[plot]'`): the data is gathered without it
+(`plot_data`, also written by `--data`), and only drawing needs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from jobgen.errors import JobgenError
+from jobgen.rundir import find_run
+from jobgen.runmetrics import metrics
+from jobgen.status import _epoch, goodput, pair_segments
+
+OUTCOME_COLOURS = {"completed": "tab:green", "preempted": "tab:orange", "time_limit": "tab:purple",
+                   "failed": "tab:red", "running or lost": "tab:gray"}
+
+
+def plot_data(target: str) -> dict[str, Any]:
+    """Every segment (its end reason, times, steps, and the metrics it logged) and the goodput."""
+    run = find_run(target)
+    segments = pair_segments(run.segments())
+    if not segments:
+        raise JobgenError(f"{run.path} has no segment yet: nothing to plot")
+    records = metrics(run.path)
+    starts = [_epoch(s["started_at"]) for s in segments]
+    entries = []
+    for i, segment in enumerate(segments):
+        # A record belongs to the segment whose start precedes it most closely.
+        until = starts[i + 1] if i + 1 < len(segments) else float("inf")
+        mine = [r for r in records if starts[i] <= r.get("time", 0) < until]
+        ended = _epoch(segment["ended_at"]) if segment["ended_at"] else None
+        entries.append({
+            "job_id": segment["job_id"], "restart": segment["restart"], "outcome": segment["outcome"],
+            "started_at": segment["started_at"], "ended_at": segment["ended_at"],
+            "held_seconds": None if ended is None else ended - starts[i], "train_seconds": segment["train_seconds"],
+            "first_step": segment["first_step"], "last_step": segment["last_step"],
+            "steps": [r["step"] for r in mine], "loss": [r.get("loss") for r in mine],
+            "tokens_per_s": [r.get("tokens_per_s") for r in mine],
+        })
+    return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
+
+
+def draw(data: dict[str, Any], output: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise JobgenError("jobgen plot needs matplotlib: pip install 'jobgen[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only: no display needed on a login node
+    import matplotlib.pyplot as plt
+
+    figure, (curves, timeline) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [3, 1.2]})
+    speed = curves.twinx()
+    for i, segment in enumerate(data["segments"]):
+        label = {"loss": "loss", "speed": "tokens/s"} if i == 0 else {"loss": None, "speed": None}
+        curves.plot(segment["steps"], segment["loss"], color="tab:blue", label=label["loss"])
+        speed.plot(segment["steps"], segment["tokens_per_s"], color="tab:orange", alpha=0.5, label=label["speed"])
+        start = segment["first_step"] if segment["first_step"] is not None else (segment["steps"] or [0])[0]
+        curves.axvline(start, color="gray", linestyle="--", linewidth=0.8)
+        curves.annotate(f"segment {i + 1}", (start, 1), xycoords=("data", "axes fraction"), fontsize=8,
+                        rotation=90, va="top", ha="right", color="gray")
+    curves.set_xlabel("optimizer step")
+    curves.set_ylabel("loss", color="tab:blue")
+    speed.set_ylabel("tokens/s", color="tab:orange")
+    curves.set_title(Path(data["run_dir"]).name)
+
+    origin = _epoch(data["segments"][0]["started_at"])
+    for i, segment in enumerate(data["segments"]):
+        left = (_epoch(segment["started_at"]) - origin) / 60
+        width = (segment["held_seconds"] or 0) / 60
+        colour = OUTCOME_COLOURS.get(segment["outcome"], "tab:brown")
+        timeline.barh(0, width, left=left, color=colour, edgecolor="black", height=0.6)
+        timeline.annotate(segment["outcome"].replace("_", " "), (left + width / 2, 0), ha="center", va="center", fontsize=8)
+    timeline.set_yticks([])
+    timeline.set_xlabel("minutes since the first segment started")
+    goodput_value = data["goodput"]
+    timeline.set_title("segments; goodput " + ("-" if goodput_value is None else f"{goodput_value:.1%}")
+                       + " (training time / time the finished segments held their nodes)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+
+
+def plot(target: str, output: Optional[Path]) -> tuple[Path, dict[str, Any]]:
+    data = plot_data(target)
+    path = output or Path(data["run_dir"]) / "plot.png"
+    draw(data, path)
+    return path, data

@@ -1,0 +1,69 @@
+"""What the trainer leaves in a run's output folder, read without torch: the per-step metrics and
+each segment's start-up record (both written by jobgen.train.metrics, rank 0)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobgen.train.metrics import METRICS_FILE, STARTUP_FILE
+
+
+def output_dir(run_path: Path) -> Path:
+    """training.output_dir of the run's resolved job, relative to the run directory."""
+    try:
+        job = yaml.safe_load((run_path / "job.yaml").read_text()) or {}
+        folder = (job.get("training") or {}).get("output_dir") or "output"
+    except (OSError, yaml.YAMLError, AttributeError):
+        folder = "output"
+    return run_path / folder
+
+
+def metrics(run_path: Path) -> list[dict[str, Any]]:
+    return read_jsonl(output_dir(run_path) / METRICS_FILE)
+
+
+def startups(run_path: Path) -> list[dict[str, Any]]:
+    return read_jsonl(output_dir(run_path) / STARTUP_FILE)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written, or cut by a node that died mid-write
+    return records
+
+
+class JsonlTail:
+    """The records appended to a JSON-lines file since the last call (whole lines only)."""
+
+    def __init__(self, path: Path, from_end: bool) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if from_end and path.exists() else 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        records = []
+        for line in whole.splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records

@@ -1,0 +1,39 @@
+"""`jobgen plot` of a real run stopped with Ctrl-C and resumed (tests/local_run.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import jobgen
+from tests.local_run import STEPS
+
+
+def test_plot_draws_every_segment_with_its_end_and_the_goodput(stopped_and_resumed_run, tmp_path) -> None:
+    run_dir = stopped_and_resumed_run.run_dir
+    picture, data_file = tmp_path / "run.png", tmp_path / "run.json"
+    result = jobgen("plot", str(run_dir), "-o", str(picture), "--data", str(data_file))
+    assert result.returncode == 0, result.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+    data = json.loads(data_file.read_text())
+    status = json.loads(jobgen("status", "--json", str(run_dir)).stdout)
+    # Every segment `jobgen status` knows, with how it ended: stopped by Ctrl-C, then completed.
+    assert [s["outcome"] for s in data["segments"]] == [s["outcome"] for s in status["segments"]]
+    assert len(data["segments"]) == 2 and data["segments"][-1]["outcome"] == "completed"
+    assert data["segments"][0]["outcome"] not in ("completed", "failed", "running or lost")
+    assert data["goodput"] == status["goodput"] and 0 < data["goodput"] < 1
+    # The curves: the first segment's steps, then the second's from where it resumed to the end.
+    first, second = data["segments"]
+    assert first["steps"][0] == 1 and second["steps"][0] == second["first_step"] + 1 and second["steps"][-1] == STEPS
+    assert all(isinstance(v, float) for s in data["segments"] for v in s["loss"] + s["tokens_per_s"])
+
+
+def test_plot_without_matplotlib_says_how_to_install_it_in_one_line(stopped_and_resumed_run, tmp_path) -> None:
+    # matplotlib is installed here: hide it from this one process, as on a machine without it.
+    hide = "import sys; sys.modules['matplotlib'] = None; from jobgen.cli import main; sys.argv[0] = 'jobgen'; main()"
+    result = subprocess.run([sys.executable, "-c", hide, "plot", str(stopped_and_resumed_run.run_dir), "-o", str(tmp_path / "x.png")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == "jobgen: error: jobgen plot needs matplotlib: pip install 'jobgen[plot]' (or pip install matplotlib)\n"
+    assert not (tmp_path / "x.png").exists()
