@@ -232,7 +232,7 @@ def cancel(target: str) -> None:
 @target_argument
 @click.option("--node", type=int, metavar="K", help="The log of node K (0 is the master) instead of the batch log.")
 @click.option("--rank", type=int, metavar="R", help="Everything rank R printed (the node logs show rank 0's only).")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (tail -F).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, with the training's progress, until the job ends.")
 def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) -> None:
     """Print the job's batch log, or one node's or one rank's log.
 
@@ -244,9 +244,11 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")
+    if follow:  # with the trainer's progress: one updating line on a terminal (jobgen.progress)
+        from jobgen.progress import follow_log
+
+        return follow_log(target, node, rank, sys.stdout)
     path = log_path(target, node, rank)
-    if follow:
-        os.execvp("tail", ["tail", "-n", "+1", "-F", str(path)])
     try:
         click.echo(path.read_text(errors="replace"), nl=False)
     except FileNotFoundError:
