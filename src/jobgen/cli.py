@@ -12,6 +12,7 @@ import click
 
 from jobgen.cli_templates import template_dir_option, templates
 from jobgen.errors import JobgenError
+from jobgen.plot_cli import plot
 from jobgen.sites_cli import sites
 from jobgen.startup import skip_startup_costs
 
@@ -256,6 +257,7 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
 
 main.add_command(sites)
+main.add_command(plot)
 
 main.add_command(templates)
 
