@@ -131,6 +131,18 @@ def test_a_site_sets_the_runtime_and_a_job_only_its_image(tmp_path: Path) -> Non
     assert 'exec apptainer exec --bind "$JOBGEN_WORKDIR,$JOBGEN_RUN_DIR" --cleanenv \\\n  /images/a.sif ' in boxed.stdout
 
 
+def test_a_working_directory_a_mount_list_cannot_hold_stops_the_job_before_any_node(tmp_path: Path) -> None:
+    folder = tmp_path / "co:lon"
+    folder.mkdir()
+    (folder / "data.json").write_text('[{"id": "a", "conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "ho"}]}]')
+    (folder / "job.yaml").write_text(yaml.safe_dump({**JOB, "container": {"runtime": "apptainer", "image": "/x.sif"}}))
+    result = jobgen("submit", "-s", "local", "job.yaml", cwd=folder)
+    assert result.returncode != 0
+    assert (f"jobgen: the working directory ({folder}) or the run directory ({folder}/runs/box) has a ',' or ':', which a "
+            "container mount list cannot hold: set environment.workdir or run_dir to a path without them") in result.stderr
+    assert not (folder / "runs" / "box" / "node.sh").exists(), "no node started"
+
+
 # --- the Apptainer path, run for real with a stand-in -------------------------------------------
 
 STAND_IN_APPTAINER = r"""#!/bin/bash
