@@ -33,14 +33,14 @@ class Local(Scheduler):
         env = {**os.environ, "JOBGEN_JOB_ID": job_id}
         log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
-        # The script writes its own log (as on every scheduler); its output also comes here.
-        process = subprocess.Popen(["bash", str(script)], env=env, stdout=sys.stderr)
+        # The script writes its own log (as on every scheduler); its output also comes here, with
+        # the training's progress. Ctrl-C: the terminal sends SIGINT to the whole group, and the
+        # script checkpoints and stops while this goes on showing its output.
+        process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {process.pid}\n")
-        try:
-            process.wait()
-        except KeyboardInterrupt:
-            # The terminal sent SIGINT to the whole group; the script checkpoints and stops.
-            process.wait()
+        from jobgen.progress import watch_process
+
+        watch_process(process, run_dir, sys.stderr)
         self.returncode = process.returncode
         return job_id
 
