@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-pytest_plugins = ["tests.cluster.fixtures"]
+pytest_plugins = ["tests.cluster.fixtures", "tests.local_run"]
 
 
 @pytest.fixture(scope="session")
