@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,35 @@ def test_a_site_package_ships_its_profile_through_the_jobgen_sites_entry_point(t
     result = jobgen("render", "--site", "mycluster", str(config), env=env)
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --partition=gpu" in result.stdout
+
+
+def install_as_pip_does(package: Path, site_packages: Path) -> None:
+    """The package's folder, and a dist-info naming its entry points: what `pip install` leaves."""
+    pyproject = tomllib.loads((package / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    for name in pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+        shutil.copytree(package / name, site_packages / name)
+    info = site_packages / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
+        for group, entries in project["entry-points"].items()
+    ))
+
+
+def test_the_site_package_of_docs_admins_md_works_as_written(tmp_path: Path) -> None:
+    # docs/example-site-package: a profile, a template override and an LSF scheduler plug-in.
+    install_as_pip_does(REPO / "docs" / "example-site-package", tmp_path / "site-packages")
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site-packages"), os.environ.get("PYTHONPATH")])),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+    }
+    check = jobgen("sites", "check", "mycluster", env=env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"site mycluster, lsf: {len(EXAMPLES)} job(s), {len(EXAMPLES)} rendered; bash -n, shellcheck: 0 problem(s)" in check.stderr
+
+    script = jobgen("render", "--site", "mycluster", str(EXAMPLES[0]), env=env).stdout
+    assert "#BSUB -q debug" in script and "for lsf (site profile mycluster)" in script
+    assert 'mapfile -t JOBGEN_HOSTS < <(awk \'!seen[$0]++\' "$LSB_DJOB_HOSTFILE")' in script
+    assert "source /opt/mycluster/venvs/jobgen/bin/activate" in script  # the package's node.sh.j2 override
