@@ -40,7 +40,8 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "requeue": ("filled by the scheduler's template: what a stop with a checkpoint leads to", frozenset()),
     },
     "node.sh.j2": {
-        "environment": ("the node's set-up before any container: environment.modules", frozenset({"job"})),
+        "environment": ("environment.modules (before an Apptainer container; pyxis starts all of node.sh in its)",
+                        frozenset({"job"})),
         "container": ("runs node.sh again inside the job's Apptainer/Singularity container", frozenset({"job", "files"})),
         "setup": ("environment.setup, the user's shell lines (inside the container, if any)", frozenset({"job"})),
         "torchrun": ("checks the commands are on PATH and starts torchrun (jobgen-torchrun)", frozenset({"job", "files"})),
