@@ -12,7 +12,7 @@ import pytest
 from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, load_conversations
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import StopRequest
-from jobgen.train.trainer import lr_factor
+from jobgen.train.trainer import LRFactor
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_length_grouping_puts_similar_lengths_together():
 
 
 def test_lr_shapes_follow_transformers():
-    cosine, linear, constant = (lr_factor(s, warmup=2, total=10) for s in ("cosine", "linear", "constant"))
+    cosine, linear, constant = (LRFactor(s, warmup=2, total=10) for s in ("cosine", "linear", "constant"))
     assert [cosine(0), cosine(1), cosine(2)] == [0.0, 0.5, 1.0]
     assert cosine(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5))) and cosine(10) == pytest.approx(0.0)
     assert linear(6) == pytest.approx(0.5) and linear(10) == 0.0

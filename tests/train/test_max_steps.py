@@ -8,7 +8,7 @@ import pytest
 
 from jobgen.models import Training
 from jobgen.train.errors import UserError
-from jobgen.train.trainer import check_schedule_total, lr_factor, total_steps_of
+from jobgen.train.trainer import LRFactor, check_schedule_total, total_steps_of
 
 
 def _training(**fields) -> Training:
@@ -27,19 +27,19 @@ def _saved_state(schedule: str, total: int) -> dict:
     import torch
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, 0, total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LRFactor(schedule, 0, total))
     return {"lr_scheduler": scheduler.state_dict()}
 
 
 def test_a_checkpoint_resumes_only_with_its_schedules_total():
-    check_schedule_total(_saved_state("cosine", 60), lr_factor("cosine", 0, 60), "step-000020")
+    check_schedule_total(_saved_state("cosine", 60), LRFactor("cosine", 0, 60), "step-000020")
     with pytest.raises(UserError) as refused:
-        check_schedule_total(_saved_state("cosine", 60), lr_factor("cosine", 0, 80), "step-000020")
+        check_schedule_total(_saved_state("cosine", 60), LRFactor("cosine", 0, 80), "step-000020")
     assert str(refused.value) == (
         "training.max_steps: checkpoint step-000020 belongs to a run of 60 steps on a cosine schedule, this job has "
         "80 (from max_steps, or epochs when max_steps is unset), which would change the learning rate from the "
         "resume point on: set max_steps: 60 to resume, or use a new training.output_dir to start a run of the new length"
     )
     # A constant schedule has no total to change; a checkpoint from before totals were saved is not judged.
-    check_schedule_total(_saved_state("constant", 60), lr_factor("constant", 0, 80), "step-000020")
-    check_schedule_total({"lr_scheduler": {"lr_lambdas": [None]}}, lr_factor("cosine", 0, 80), "step-000020")
+    check_schedule_total(_saved_state("constant", 60), LRFactor("constant", 0, 80), "step-000020")
+    check_schedule_total({"lr_scheduler": {"lr_lambdas": [None]}}, LRFactor("cosine", 0, 80), "step-000020")

@@ -128,7 +128,7 @@ def total_steps_of(training: Training, batches_per_epoch: int) -> int:
     return (batches_per_epoch * training.epochs) // training.gradient_accumulation
 
 
-class lr_factor:
+class LRFactor:
     """Multiplier of the peak learning rate after `step` optimizer steps (transformers' shapes).
     An object, not a closure, so that LambdaLR's state_dict carries schedule, warmup and total
     into every checkpoint."""
@@ -147,7 +147,7 @@ class lr_factor:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def check_schedule_total(found_state: dict, factor: lr_factor, checkpoint_name: str) -> None:
+def check_schedule_total(found_state: dict, factor: LRFactor, checkpoint_name: str) -> None:
     """A resumed run must follow the LR curve the checkpoint's run was on: a different total
     (max_steps, or epochs without max_steps) bends it from the resume point on, and the run would
     match neither its first plan nor its new one. A constant schedule has no total to bend."""
@@ -226,7 +226,7 @@ class Trainer:
         order = batches.order
         steps_per_epoch = order.batches_per_epoch // t.gradient_accumulation
         total_steps = total_steps_of(t, order.batches_per_epoch)
-        factor = lr_factor(t.lr_schedule, t.warmup_steps, total_steps)
+        factor = LRFactor(t.lr_schedule, t.warmup_steps, total_steps)
         if found is not None:
             try:
                 check_schedule_total(found.state, factor, os.path.basename(found.path))
