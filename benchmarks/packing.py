@@ -13,8 +13,9 @@ is one micro-batch: forward, backward and an AdamW step (torch's, in one process
 DeepSpeed's). The same per_device_batch_size (--batch) in every mode: samples when padding, rows
 when packing, so padding to max_length and packing run tensors of the same shape.
 A pass trains every conversation once; the modes take turns pass by pass (--rounds times each),
-and each mode's figure is the median over its passes of useful tokens / pass wall time. Prints,
-and writes as JSON, the medians and the ratios packing / pad-to-max and packing / pad-to-longest.
+and each mode's figure is the median over its passes of useful tokens / pass wall time (and, less
+sensitive to other work on the machine, / the process's CPU time). Prints, and writes as JSON,
+the medians and the ratios packing / pad-to-max and packing / pad-to-longest.
 """
 
 from __future__ import annotations
@@ -110,23 +111,29 @@ def main() -> None:
     useful = sum(dataset.lengths)
     computed = {name: sum(b["input_ids"].numel() for b in tensors) for name, tensors in modes.items()}
 
-    def one_pass(tensors) -> float:
-        started = time.perf_counter()
+    def one_pass(tensors) -> tuple[float, float]:
+        """Wall seconds and this process's CPU seconds (less sensitive to other load on the machine)."""
+        started, cpu = time.perf_counter(), time.process_time()
         for batch in tensors:
             optimizer.zero_grad(set_to_none=True)
             loss_sum = _token_loss_sum(model, batch)
             (loss_sum / max(1, int((batch["labels"][:, 1:] != -100).sum()))).backward()
             optimizer.step()
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
     one_pass(modes["packed"][:1] + modes["pad_to_longest"][:1])  # warm-up: first-call allocations
+    load_before = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in modes}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in modes}
     for round_ in range(args.rounds):
         for name in (list(modes) if round_ % 2 == 0 else list(reversed(modes))):
-            seconds[name].append(one_pass(modes[name]))
-            print(f"round {round_ + 1} {name}: {seconds[name][-1]:.1f} s", flush=True)
+            wall, cpu = one_pass(modes[name])
+            seconds[name].append(round(wall, 2))
+            cpu_seconds[name].append(round(cpu, 2))
+            print(f"round {round_ + 1} {name}: {wall:.1f} s ({cpu:.1f} s CPU)", flush=True)
 
     tokens_per_s = {name: statistics.median(useful / s for s in runs) for name, runs in seconds.items()}
+    per_cpu_s = {name: statistics.median(useful / s for s in runs) for name, runs in cpu_seconds.items()}
     lengths = sorted(dataset.lengths)
     result = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -136,10 +143,14 @@ def main() -> None:
         "length_median": lengths[len(lengths) // 2], "length_p90": lengths[int(len(lengths) * 0.9)],
         "length_max": lengths[-1], "max_length": args.max_length, "batch": args.batch, "attention": args.attention,
         "rows": len(rows), "row_fill": round(useful / (len(rows) * args.max_length), 3),
-        "computed_tokens": computed, "pass_seconds": seconds,
+        "computed_tokens": computed, "pass_seconds": seconds, "pass_cpu_seconds": cpu_seconds,
+        "load_average_1min": [load_before, os.getloadavg()[0]],
         "useful_tokens_per_s_median": {k: round(v, 1) for k, v in tokens_per_s.items()},
         "packed_over_pad_to_max": round(tokens_per_s["packed"] / tokens_per_s["pad_to_max_length"], 2),
         "packed_over_pad_to_longest": round(tokens_per_s["packed"] / tokens_per_s["pad_to_longest"], 2),
+        "useful_tokens_per_cpu_s_median": {k: round(v, 1) for k, v in per_cpu_s.items()},
+        "per_cpu_s_packed_over_pad_to_max": round(per_cpu_s["packed"] / per_cpu_s["pad_to_max_length"], 2),
+        "per_cpu_s_packed_over_pad_to_longest": round(per_cpu_s["packed"] / per_cpu_s["pad_to_longest"], 2),
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
