@@ -144,7 +144,7 @@ def validate(config: Path, site: Optional[str], overrides: tuple[str, ...], temp
     resolved = _resolve(config, site, overrides)
     job = resolved.job
     _check_files(job)
-    from jobgen.render import check_override_templates
+    from jobgen.template_search import check_override_templates
 
     check_override_templates(template_dirs, resolved.site.template_dir)
     click.echo(

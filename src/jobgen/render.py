@@ -153,25 +153,6 @@ def _render_template(env: jinja2.Environment, name: str, context: dict[str, Any]
         raise JobgenError(f"{where or name}: {error}") from None
 
 
-def check_override_templates(template_dirs: Sequence[Path] = (), site_folder: Optional[Path] = None) -> None:
-    """Every template in a folder before the bundled one parses (`validate`, which has no
-    scheduler to render for): a syntax error is `FILE:LINE: what is wrong`."""
-    folders = [folder for folder in search_path(template_dirs, site_folder, site_packages=False) if not folder.bundled]
-    if not folders:
-        return
-    env = template_environment(folders)
-    for folder in folders:
-        for path in sorted(folder.path.rglob("*.j2")):
-            try:
-                source = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                raise JobgenError(f"{path}: {file_not_utf8_message(path)}") from None
-            try:
-                env.parse(source, path.relative_to(folder.path).as_posix(), str(path))
-            except jinja2.TemplateSyntaxError as error:
-                raise JobgenError(f"{path}:{error.lineno}: {error.message}") from None
-
-
 def _template_line(traceback: Optional[TracebackType]) -> Optional[str]:
     """`FILE:LINE` of the innermost template frame (Jinja marks its rewritten frames)."""
     where = None
