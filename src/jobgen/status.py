@@ -17,7 +17,7 @@ def collect(target: str) -> dict[str, Any]:
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
     state = _scheduler_state(latest) if latest else None
-    segments = pair_segments(run.segments())
+    segments = attach_startups(pair_segments(run.segments()), run.path)
     return {
         "run_dir": str(run.path),
         "submissions": submissions,
@@ -58,6 +58,19 @@ def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return segments
 
 
+def attach_startups(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
+    """Each segment's time from its trainer's start to its first new step, and where it went
+    (imports, process group, ...: OUTPUT_DIR/startup.jsonl), where the trainer got that far."""
+    from jobgen.runmetrics import startups
+
+    found = {(str(entry.get("job_id")), entry.get("restart")): entry for entry in startups(run_path)}
+    for segment in segments:
+        entry = found.get((str(segment["job_id"]), segment["restart"]))
+        segment["startup_seconds"] = entry["total"] if entry else None
+        segment["startup"] = entry["seconds"] if entry else None
+    return segments
+
+
 def goodput(segments: list[dict[str, Any]]) -> Optional[float]:
     """Training time the trainer reports, over the time the segments held their nodes."""
     allocated = useful = 0.0
@@ -79,11 +92,12 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"job {state['job_id']}  {state['state']}" + (f"  ({extra})" if extra else ""))
     if report["segments"]:
         lines.append("")
-        header = ("job", "restart", "started", "ended", "steps", "outcome")
+        header = ("job", "restart", "started", "ended", "steps", "outcome", "to first step")
         rows = [
             (
                 s["job_id"], str(s["restart"]), s["started_at"], s["ended_at"] or "-",
                 "-" if s["last_step"] is None else f"{s['first_step']}->{s['last_step']}", s["outcome"],
+                "-" if s.get("startup_seconds") is None else f"{s['startup_seconds']:.0f} s",
             )
             for s in report["segments"]
         ]
