@@ -23,6 +23,9 @@ def test_plot_draws_every_segment_with_its_end_and_the_goodput(stopped_and_resum
     assert len(data["segments"]) == 2 and data["segments"][-1]["outcome"] == "completed"
     assert data["segments"][0]["outcome"] not in ("completed", "failed", "running or lost")
     assert data["goodput"] == status["goodput"] and 0 < data["goodput"] < 1
+    # `jobgen status` also says where each segment's time to its first new step went.
+    phases = {"imports", "process group", "model load", "deepspeed init", "checkpoint load", "first step"}
+    assert all(s["startup_seconds"] > 0 and phases <= set(s["startup"]) for s in status["segments"]), status["segments"]
     # The curves: the first segment's steps, then the second's from where it resumed to the end.
     first, second = data["segments"]
     assert first["steps"][0] == 1 and second["steps"][0] == second["first_step"] + 1 and second["steps"][-1] == STEPS
