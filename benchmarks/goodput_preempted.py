@@ -1,14 +1,15 @@
 """Goodput of a job preempted every few minutes, as `jobgen status` computes it, on the Slurm
 test cluster (tests/cluster/slurm-cluster.sh start).
 
-    python benchmarks/goodput_preempted.py [--preemptions 4] [--every 300] [--step-delay 1] [--steps N]
+    python benchmarks/goodput_preempted.py [--preemptions 5] [--every 300] [--step-delay 1]
 
 One 2-node LoRA job of the tiny model (CPU, gloo, 1 rank per node) trains until it is done; each
 time a segment has held its nodes for `--every` seconds, an exclusive job in the `high` partition
 preempts it on its own nodes (as tests/test_slurm_requeue.py does on all of them), `--preemptions` times. After each requeue the
 job is released 3 s later (as root, `scontrol update StartTime=now`, standing in for Slurm's
 ~2 minute requeue delay; a job waiting in the queue holds no nodes, so it is outside goodput
-either way). The last segment trains to the end.
+either way). After the last preemption the job is cancelled instead, so every segment is one
+interval long and ends by preemption (max_steps is set beyond reach).
 
 Goodput (src/jobgen/status.py): the seconds the trainer spent in its training loop (steps and
 the checkpoints saved inside it), summed over the finished segments, over the seconds those
@@ -67,17 +68,15 @@ def segment_starts(run_dir: Path) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preemptions", type=int, default=4)
+    parser.add_argument("--preemptions", type=int, default=5)
     parser.add_argument("--every", type=float, default=300.0, help="seconds a segment holds its nodes before it is preempted")
     parser.add_argument("--step-delay", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, help="max_steps (default: enough for the preemptions and one more interval)")
     parser.add_argument("--work", type=Path, help="folder for the run (default: a new temporary one)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-goodput-"))
     work.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
-    # A step is the delay plus well under 0.2 s of compute for the tiny model.
-    steps = args.steps or int((args.preemptions + 1) * args.every / (args.step_delay + 0.15))
+    steps = 100_000  # beyond reach: every segment ends by preemption
     job = {
         "name": "jobgen-bench-goodput",
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "02:00:00", "partition": "debug", "exclusive": True},
@@ -99,18 +98,20 @@ def main() -> None:
         while time.time() < started + args.every and scontrol(job_id).get("JobState") not in done:
             time.sleep(1)
         if scontrol(job_id).get("JobState") in done:
-            print(f"the job ended before preemption {n + 1}: raise --steps", flush=True)
+            print(f"the job ended before preemption {n + 1}", flush=True)
             break
         # On this job's nodes only: the cluster's other jobs are left alone.
         nodes = scontrol(job_id)["NodeList"]
         subprocess.run(["sbatch", "-p", "high", "--exclusive", "-N2", f"--nodelist={nodes}", "--job-name=jobgen-bench-preemptor",
                         "--output=/dev/null", "--wrap", "sleep 3"], check=True, capture_output=True)
         wait(lambda: scontrol(job_id).get("JobState") == "PENDING" and int(scontrol(job_id).get("Restarts", 0)) > n, "the requeue")
+        print(f"preemption {n + 1} at {time.strftime('%H:%M:%S')}", flush=True)
+        if n + 1 == args.preemptions:
+            subprocess.run(["scancel", job_id], check=True)
+            break
         time.sleep(3)  # see tests/test_slurm_requeue.py: released at once, a start can race the old allocation's cleanup
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-        print(f"preemption {n + 1} at {time.strftime('%H:%M:%S')}", flush=True)
-    state = wait(lambda: scontrol(job_id).get("JobState") in done and scontrol(job_id)["JobState"], "the end",
-                 timeout=args.every * 3 + 600)
+    state = wait(lambda: scontrol(job_id).get("JobState") in done and scontrol(job_id)["JobState"], "the end")
     report = status(run_dir)
     print(f"\njob {job_id} {state}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'seg':>3} {'outcome':<10} {'steps':>11} {'held s':>7} {'train s':>8} {'ratio':>6}  start-up (trainer's breakdown, s)")
