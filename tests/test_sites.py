@@ -123,15 +123,21 @@ def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: d
         "defaults": "defaults: unknown key 'resources.partiton' (did you mean 'partition'?)",
         "limits": "'limits.gpu.max_time' is '2 days': expected [D-]HH:MM:SS",
         "scheduler": "'scheduler': unknown scheduler 'lsf'",
+        "unquoted": "'limits.gpu.max_time' is 172800: expected [D-]HH:MM:SS in quotes, e.g. max_time: \"48:00:00\"",
     }
     profiles = {
         "limit": {"limit": {}},
         "defaults": {"defaults": {"resources": {"partiton": "gpu"}}},
         "limits": {"limits": {"gpu": {"max_time": "2 days"}}},
         "scheduler": {"scheduler": "lsf"},
+        "unquoted": "limits:\n  gpu: {max_time: 48:00:00}\n",  # as an admin types it
     }
     for key, profile in profiles.items():
-        path = write_yaml(tmp_path / "sites" / f"bad-{key}.yaml", profile)
+        path = tmp_path / "sites" / f"bad-{key}.yaml"
+        if isinstance(profile, str):
+            path.write_text(profile)
+        else:
+            write_yaml(path, profile)
         result = jobgen("render", "-s", "slurm", "--site", f"bad-{key}", str(config), env=site)
         [line] = error_lines(result.stderr)
         assert line.startswith(f"jobgen: error: {path}: {cases[key]}"), line

@@ -46,6 +46,14 @@ class PartitionLimits(BaseModel):
     max_gpus_per_node: Optional[int] = Field(None, ge=0)
     max_cpus_per_node: Optional[int] = Field(None, ge=1)
 
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _time_is_text(cls, value: object) -> object:
+        # YAML 1.1 reads an unquoted 48:00:00 as the number 172800 (base 60).
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError('expected [D-]HH:MM:SS in quotes, e.g. max_time: "48:00:00" (unquoted, YAML reads it as a number)')
+        return value
+
     @field_validator("max_time")
     @classmethod
     def _time_parses(cls, value: Optional[str]) -> Optional[str]:
