@@ -30,7 +30,8 @@ def templates() -> None:
     \b
     Search path, first match wins: --template-dir, $JOBGEN_TEMPLATE_PATH, the site profile's
     folder, /etc/jobgen/templates, $XDG_CONFIG_HOME/jobgen/templates (~/.config), installed site
-    packages, the bundled templates. An override extends the shipped one as 'bundled/NAME'.
+    packages, scheduler plug-ins' folders, the bundled templates. An override extends the shipped
+    one as 'bundled/NAME'; its blocks: docs/template-contract.md.
     """
 
 
