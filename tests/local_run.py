@@ -1,5 +1,5 @@
-"""A real local run that a user stopped with Ctrl-C and resumed: 2 simulated nodes, the tiny
-model, LoRA on DeepSpeed ZeRO-2. Made once per session, for tests/test_progress.py (what a user
+"""A real local run that a user stopped with Ctrl-C and resumed: one simulated node (one rank:
+the cheapest real run), the tiny model, LoRA on DeepSpeed ZeRO-2. Made once per session, for tests/test_progress.py (what a user
 sees while it runs) and tests/test_plot.py (the picture of its two segments)."""
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def stopped_and_resumed_run(tmp_path_factory) -> StoppedAndResumed:
     subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
     job = {
         "name": "stop-resume",
-        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
+        "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
         "launch": {"procs_per_node": 1},
         "training": {"model": "tiny/model", "data": "tiny/data.json", "method": "lora", "precision": "fp32",
                      "per_device_batch_size": 2, "max_length": 64, "max_steps": STEPS, "logging_interval": 1},
     }
     (work / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "1"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5"}
     submit = [sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"]
     run_dir = work / "runs" / "stop-resume"
 
