@@ -283,9 +283,9 @@ def check_limits(job: Job, site: SiteProfile, source: str) -> None:
 
 
 def _partition_word(site: SiteProfile) -> str:
-    """PBS calls a partition a queue; the scheduler's directive prefix says which kind it is."""
+    """PBS calls a partition a queue: the scheduler says what it calls one."""
     if not site.scheduler:
         return "partition"
     from jobgen.schedulers import get_scheduler
 
-    return "queue" if get_scheduler(site.scheduler).directive_prefix == "#PBS" else "partition"
+    return get_scheduler(site.scheduler).partition_word

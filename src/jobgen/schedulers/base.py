@@ -37,6 +37,8 @@ class Scheduler:
     # Per-node launchers this scheduler can use; the first is the default.
     launchers: ClassVar[tuple[str, ...]]
     directive_prefix: ClassVar[str] = ""
+    # What resources.partition is called in messages about it (PBS: a queue).
+    partition_word: ClassVar[str] = "partition"
     # What to write instead of an extra directive that repeats a generated option, by option key.
     option_fixes: ClassVar[dict[str, str]] = {}
     job_environment: ClassVar[JobEnvironment]

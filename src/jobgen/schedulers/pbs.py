@@ -21,6 +21,7 @@ class PbsPro(Scheduler):
     template = "pbs.sh.j2"
     launchers = ("pbsdsh", "pbs_tmrsh", "ssh", "mpiexec")
     directive_prefix = "#PBS"
+    partition_word = "queue"
     # PBS keeps no restart count in the environment: JOBGEN_RESTART_COUNT is passed on (see the template).
     job_environment = JobEnvironment(job_id="PBS_JOBID", submit_dir="PBS_O_WORKDIR", nodes="PBS_NODEFILE")
     reserved_prefixes = ("PBS_",)
