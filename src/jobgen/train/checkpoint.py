@@ -52,6 +52,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TEMP_PREFIX = ".tmp-"
 DEEPSPEED_TAG = "deepspeed"
 COMPLETE = "COMPLETE"
+BACKGROUND_NICENESS = 10  # added to the save thread's (Linux: per thread)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 
@@ -261,6 +262,12 @@ class CheckpointStore:
         import torch.distributed
 
         job.outcome = ("failed", "the save thread ended early")
+        try:
+            # Where training keeps every core busy (the CPU), the step goes first; this thread's
+            # files still get written while training waits on I/O or a collective.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+        except (OSError, AttributeError):
+            pass
         try:
             entries, error = {}, None
             try:
