@@ -37,6 +37,13 @@ class SchedulerName(click.ParamType):
 
         return f"[{'|'.join(scheduler_names())}]"
 
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+
+        from jobgen.schedulers import scheduler_names
+
+        return [CompletionItem(name) for name in scheduler_names() if name.startswith(incomplete)]
+
 
 class JobgenGroup(click.Group):
     """Turns a JobgenError anywhere below into one line on stderr and exit status 2."""
