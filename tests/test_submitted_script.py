@@ -21,7 +21,9 @@ import yaml
 
 from tests.helpers import EXAMPLES, REPO, jobgen
 
-SITES = [None, *sorted((REPO / "configs" / "sites").glob("*.yaml"))]
+# The two example profiles (one per scheduler family) stand for every site here: the archetype
+# profiles are submitted on the test cluster by `jobgen sites check` in tests/test_sites.py.
+SITES = [None, *sorted((REPO / "configs" / "sites").glob("example-*.yaml"))]
 # A site's own directives (example-slurm-ib: --mail-type=FAIL) come with the site; these are a
 # job's, which replace the site's list. The #PBS line must be dropped from a Slurm script.
 JOB_DIRECTIVES = 'extra_directives=["#SBATCH --comment=reviewed-by-the-admin", "#SBATCH --mail-type=FAIL", "#PBS -m a"]'
