@@ -10,9 +10,10 @@ folded into the updating line instead of scrolling.
 
 from __future__ import annotations
 
+import codecs
+import os
 import re
 import selectors
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -67,8 +68,11 @@ class Display:
 
     def _redraw(self) -> None:
         if self.tty and self.status:
-            width = shutil.get_terminal_size().columns - 1
-            self.out.write(CLEAR_LINE + self.status[:width])
+            try:
+                width = os.get_terminal_size(self.out.fileno()).columns - 1  # this stream's terminal
+            except (OSError, ValueError):
+                width = 79
+            self.out.write(CLEAR_LINE + self.status[:width])  # never wider: a wrapped line is not redrawn
         self.out.flush()
 
 
@@ -81,6 +85,7 @@ def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextI
     tail = JsonlTail(output_dir(run_path) / METRICS_FILE, from_end=True)
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
     open_pipe = True
     while open_pipe:
         try:
@@ -88,7 +93,7 @@ def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextI
                 data = process.stdout.read1(65536)  # type: ignore[union-attr]
                 if not data:
                     open_pipe = False
-                display.text(data.decode(errors="replace"))
+                display.text(decoder.decode(data, final=not data))
             for record in tail.new_records():
                 display.progress(record)
         except KeyboardInterrupt:
