@@ -69,9 +69,10 @@ class Display:
     def _redraw(self) -> None:
         if self.tty and self.status:
             try:
-                width = os.get_terminal_size(self.out.fileno()).columns - 1  # this stream's terminal
+                columns = os.get_terminal_size(self.out.fileno()).columns  # this stream's terminal
             except (OSError, ValueError):
-                width = 79
+                columns = 0
+            width = (columns or 80) - 1  # a terminal that reports no size (0) gets 80
             self.out.write(CLEAR_LINE + self.status[:width])  # never wider: a wrapped line is not redrawn
         self.out.flush()
 
