@@ -111,8 +111,11 @@ def test_an_installed_scheduler_plugin_renders_and_runs_a_job(tmp_path: Path, pl
     while not segment_ends(run_dir):
         assert time.time() < deadline, "the job did not end within 4 minutes"
         time.sleep(1)
-    time.sleep(1)  # the script exits right after its last line
+    # The script exits right after its last record.
     status = json.loads(jobgen("status", str(run_dir), "--json", env=plugin_env).stdout)
+    while status["scheduler_state"]["state"] == "RUNNING" and time.time() < deadline:
+        time.sleep(0.5)
+        status = json.loads(jobgen("status", str(run_dir), "--json", env=plugin_env).stdout)
     assert status["scheduler_state"]["reason"] == "the scheduler no longer knows this job"
 
     log = jobgen("logs", str(run_dir), env=plugin_env).stdout
