@@ -149,7 +149,9 @@ STAND_IN_APPTAINER = r"""#!/bin/bash
 # A stand-in for apptainer, which cannot be installed here: it records its process id and its
 # arguments (one line per call, shell-quoted), then runs the command it was given in this
 # process, without a container: `exec [OPTIONS] IMAGE COMMAND...` -> exec COMMAND...
-{ printf '%s ' "$$"; printf '%q ' "$@"; echo; } >> "$STAND_IN_LOG"
+# The line goes out in one write: the two nodes' stand-ins append to the same log at once.
+printf -v line '%q ' "$@"
+printf '%s %s\n' "$$" "$line" >> "$STAND_IN_LOG"
 [[ $1 == exec ]] || { echo "stand-in apptainer: only 'exec' is known" >&2; exit 64; }
 shift
 while [[ $1 == -* ]]; do
