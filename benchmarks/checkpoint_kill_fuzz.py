@@ -38,6 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(REPO))
+from tests.processes import descendants, signal_all  # noqa: E402
+
 HOLD = 0.5
 PHASES = ("snapshot", "write", "commit")
 
@@ -85,24 +88,7 @@ def run_to_end(job: Path) -> str:
 
 def kill_whole_job(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and all its descendants at once (each rank has a session of its own)."""
-    children = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    todo, pids = [proc.pid], []
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo += children.get(pid, [])
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(descendants([proc.pid]), signal.SIGKILL)
     proc.communicate(timeout=60)
 
 

@@ -32,6 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(REPO))
+from tests.processes import ranks_of  # noqa: E402
+
 METHODS = ("full", "lora", "qlora")
 
 
@@ -48,30 +51,6 @@ def job_dict(workdir: Path, method: str, args: argparse.Namespace) -> dict:
             "lora": {"r": 16, "alpha": 32, "dropout": 0.05},
         },
     }
-
-
-def ranks_of(root: int) -> dict[int, int]:
-    """rank -> pid among the descendants of `root` (torchrun's workers carry RANK in their environment)."""
-    children = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    found, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = pid
-    return found
 
 
 def status_mb(pid: int) -> dict[str, float]:

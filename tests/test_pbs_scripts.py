@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.helpers import jobgen
+from tests.processes import descendants, process_table, signal_all
 
 FAKE_PBSDSH = r"""#!/bin/bash
 # pbsdsh -n K -- CMD... (PBS Pro) or pbsdsh -h HOST CMD... (Torque), as MoM runs a task: not a
@@ -124,43 +125,12 @@ def start_pbs_job(script: Path, env: dict[str, str], nodefile: list[str], workdi
                             start_new_session=True)
 
 
-def process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, process group) of every process of this machine."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
-    return table
-
-
-def descendants(pids: list[int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
-    """pids and every process they started, still running."""
-    table = table or process_table()
-    found = set(pids)
-    while True:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
-        if not more:
-            return sorted(pid for pid in found if pid in table)
-        found |= more
-
-
 def job_processes(batch: subprocess.Popen, env: dict[str, str]) -> list[int]:
     """Every process of the job: the batch script's session, each task's, and all they started."""
     table = process_table()
     tasks_file = Path(env["FAKE_PBS_TASKS"])
     tasks = [int(pid) for pid in tasks_file.read_text().split()] if tasks_file.exists() else []
     return descendants([pid for pid, (_, pgid) in table.items() if pgid == batch.pid] + tasks, table)
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def preempt_like_mom(batch: subprocess.Popen, env: dict[str, str], kill_delay: float = 10) -> int:

@@ -12,7 +12,6 @@ the same at 20 random moments.
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import socket
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.processes import descendants, signal_all
 
 SETTINGS = dict(epochs=1, save_interval=2)  # 6 steps; saves at 2, 4, 6
 
@@ -41,30 +42,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _descendants(root: int) -> list[int]:
-    children = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
 def kill_whole_job(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every rank at once (torchrun starts each rank in a session of its own)."""
-    for pid in _descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(descendants([proc.pid]), signal.SIGKILL)
     proc.wait(timeout=30)
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 from tests.train.conftest import free_port, subprocess_env, wait_for_step
-from tests.train.test_resume import _worker_pids
+from tests.processes import ranks_of
 
 
 def _node(job, node_rank: int, port: int) -> subprocess.Popen:
@@ -33,7 +33,7 @@ def test_a_rank_killed_on_one_node_ends_the_other_nodes_trainer_within_seconds(t
     nodes = [_node(job, 0, port), _node(job, 1, port)]
     try:
         wait_for_step(job.parent / "output" / "metrics.jsonl", 2, nodes[0])
-        (victim,) = _worker_pids(nodes[1].pid).values()
+        (victim,) = ranks_of(nodes[1].pid).values()
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         output = nodes[0].communicate(timeout=180)[0]

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.processes import ranks_of
+
 STEPS = 12  # 48 conversations / 2 ranks / batch 2 / accumulation 2 = 6 steps per epoch, 2 epochs
 
 
@@ -153,30 +155,11 @@ def test_resuming_with_a_different_max_steps_is_refused_in_one_line(runs, tools,
     assert "jobgen/train/" not in result.stdout
 
 
-def _worker_pids(parent: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != parent:
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry)
-    return found
-
-
 def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tools, tiny, tmp_path):
     job = tools.write_job(tmp_path / "direct", tiny)
     proc = tools.start(job, JOBGEN_DEBUG_STEP_DELAY="0.4")
     tools.wait_for_step(job.parent / "output" / "metrics.jsonl", 2, proc)
-    workers = _worker_pids(proc.pid)
+    workers = ranks_of(proc.pid)
     assert sorted(workers) == [0, 1]
     os.kill(workers[1], signal.SIGUSR1)  # only rank 1 hears it, as with a per-process signal
     output = proc.communicate(timeout=120)[0]

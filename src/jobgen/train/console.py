@@ -20,6 +20,7 @@ from jobgen.runfiles import rank_log
 
 
 _tee: "subprocess.Popen[bytes] | None" = None
+_tee_pipe: "tuple[int, int] | None" = None  # (st_dev, st_ino) of the pipe into tee
 
 
 def rank_log_path(run_dir: str, job_id: str, rank: int) -> str:
@@ -35,12 +36,13 @@ def route_output(run_dir: str, job_id: str, rank: int) -> TextIO:
     node_log = os.dup(2)
     if rank == 0:
         # tee ignores the stop signals a scheduler sends the whole job: the stop is worth logging.
-        global _tee
+        global _tee, _tee_pipe
         _tee = subprocess.Popen(
             ["tee", "-a", path], stdin=subprocess.PIPE, stdout=node_log, preexec_fn=_ignore_stop_signals
         )
         target = os.dup(_tee.stdin.fileno())  # type: ignore[union-attr]
         _tee.stdin.close()  # type: ignore[union-attr]
+        _tee_pipe = _identity(target)
     else:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(target, 1)
@@ -54,12 +56,36 @@ def finish_output() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if _tee is not None:
-        os.close(1)
-        os.close(2)
+        # tee ends when the last writer of its pipe closes it, and fds 1 and 2 may not be the
+        # last: a library can hold a copy (DeepSpeed's op builder dups stderr and never closes
+        # it). Waiting for tee then took until the scheduler's SIGKILL, several seconds of every
+        # preemption. Close every descriptor of the pipe this process holds.
+        for fd in _descriptors():
+            if fd in (1, 2) or _identity(fd) == _tee_pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         try:
-            _tee.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            _tee.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # a child process still holds it: its lines are in the rank's file
             pass
+
+
+def _identity(fd: int) -> "tuple[int, int] | None":
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _descriptors() -> list[int]:
+    """This process's open file descriptors (Linux's /proc; elsewhere only 1 and 2)."""
+    try:
+        return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:
+        return [1, 2]
 
 
 def _ignore_stop_signals() -> None:
