@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import torch
+
+from tests.train.conftest import subprocess_env
 
 
 def _metrics(run_dir):
@@ -42,6 +46,25 @@ def test_qlora_bf16_trains_4bit_layers_and_saves_a_peft_adapter(make_job, tools,
     loaded = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert loaded and all(p.abs().sum() > 0 for p in loaded.values())  # lora_B starts at zero
     assert any(key.endswith("lora_B.weight") for key in saved)
+
+
+QLORA_LOAD = """
+import sys, torch
+from jobgen.models import Training
+from jobgen.train.modeling import load_model
+model = load_model(Training(model=sys.argv[1], data="data.json", method="qlora"), "fp32", torch.device("cpu"))
+print("mapped:", [line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith(".safetensors")])
+print("4-bit:", sum(p.dtype == torch.uint8 for p in model.parameters()))
+"""
+
+
+def test_qlora_on_the_cpu_keeps_no_mapping_of_the_unquantized_weights_file(tiny):
+    # The rank's memory holds the NF4 weights, not every page of the fp32 file they came from.
+    result = subprocess.run([sys.executable, "-c", QLORA_LOAD, str(tiny / "model")], capture_output=True, text=True,
+                            env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "4-bit: 14" in result.stdout
+    assert "mapped: []" in result.stdout, result.stdout
 
 
 def test_lora_zero3_length_grouped_runs_the_jobs_linear_schedule(make_job, tools, tiny):

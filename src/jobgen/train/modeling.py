@@ -96,6 +96,7 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
         if quantized == 0:
             raise RuntimeError(f"{training.model}: bitsandbytes quantized no layer to 4 bits")
         log.info("qlora: %d linear layers in 4-bit NF4", quantized)
+        _copy_out_of_weight_files(model, bitsandbytes.nn.Params4bit)
 
         model = prepare_model_for_kbit_training(
             model,
@@ -107,6 +108,26 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     if training.method in ("lora", "qlora"):
         model = _add_lora(model, training)
     return model
+
+
+def _copy_out_of_weight_files(model: Any, quantized: type) -> None:
+    """Gives the CPU tensors that are not quantized (embeddings, norms, lm_head) memory of their own.
+
+    On the CPU, from_pretrained leaves them as views of the mapped safetensors file, and that
+    mapping then keeps every page quantization read resident: the whole unquantized model, in the
+    rank's memory, for the whole run (305 MB of a 76 M-parameter fp32 model, 6x its NF4 weights).
+    Their copies are small; the mapping goes with its last view. On a GPU nothing is on the CPU.
+    """
+    import gc
+
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.device.type == "cpu" and not isinstance(param, quantized):
+                param.data = param.data.clone()
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device.type == "cpu":
+                module._buffers[name] = buffer.clone()
+    gc.collect()
 
 
 def _add_lora(model: Any, training: Training) -> Any:
