@@ -80,6 +80,7 @@ def worker(job_path: str, repeats: int, out_path: str) -> None:
     import torch
 
     from jobgen.train import checkpoint as ckpt
+    from jobgen.train.background_save import BackgroundSaves
     from jobgen.train.__main__ import load_job
     from jobgen.train.data import BatchOrder, ChatTokenizer, TokenizedDataset
     from jobgen.train.distributed import Distributed, RankInfo
@@ -102,7 +103,8 @@ def worker(job_path: str, repeats: int, out_path: str) -> None:
     root = os.path.join(p.output_dir, "checkpoints")
     sync_store = ckpt.CheckpointStore(root, dist, keep=2)
     commits: list[float] = []
-    async_store = ckpt.CheckpointStore(root, dist, keep=2, background=True, on_commit=lambda path, s: commits.append(s))
+    async_store = ckpt.CheckpointStore(root, dist, keep=2)
+    saves = BackgroundSaves(async_store, on_commit=lambda path, s: commits.append(s))
     engine.train()
     step = 0
 
@@ -138,13 +140,13 @@ def worker(job_path: str, repeats: int, out_path: str) -> None:
         train_step()
         dist.barrier()
         started = time.perf_counter()
-        async_store.start_save(engine, step, state())
+        saves.start(engine, step, state())
         results["async_stall_s"].append(time.perf_counter() - started)
         during = []
         # Every rank trains until every rank's save has been committed (then no save is in flight).
-        while any_rank(async_store.busy):
+        while any_rank(saves.busy):
             during.append(train_step())
-        async_store.wait()
+        saves.wait()
         results["async_commit_s"].append(commits[-1])
         results["steps_during_write"].append(len(during))
         results["step_s_during_write"] += during

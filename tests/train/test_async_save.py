@@ -114,7 +114,7 @@ def test_sigkill_at_each_phase_of_a_save_then_resume_from_the_newest_complete_ch
 
 
 def test_the_snapshot_is_a_copy_that_training_cannot_change():
-    from jobgen.train.checkpoint import host_copy
+    from jobgen.train.background_save import host_copy
 
     weight = torch.ones(4)
     view = weight[:2]

@@ -14,14 +14,8 @@ Every rank writes into `.tmp-step-000123`; after a barrier the files are hashed 
 ranks), rank 0 writes the manifest and COMPLETE, fsyncs and renames the directory. A kill at any
 moment leaves a complete checkpoint or a `.tmp-*` directory, which is removed on the next start.
 
-In the background (`training.async_save`, `start_save`), training pauses only for the snapshot:
-DeepSpeed's save runs with a checkpoint engine that copies each state dict into host memory
-instead of writing it (as torch.distributed.checkpoint.async_save stages to CPU), and the RNG
-states are taken. A thread then writes, fsyncs and hashes this rank's files, and the ranks agree
-over a gloo group of their own (a background collective must never interleave with the training
-loop's collectives on the default group): once every rank's files are durable, rank 0 commits
-exactly as above and every rank learns the outcome. One save at most is in flight: the next one,
-and a stop, wait for it first.
+Saves in the background (`training.async_save`) are jobgen/train/background_save.py; they end
+in the same commit.
 On start the newest checkpoint whose files match its manifest is used; one that does not is
 skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or
 pruned). Directories are assumed to be on a file system every rank sees.
@@ -29,7 +23,6 @@ pruned). Directories are assumed to be on a file system every rank sees.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -37,12 +30,10 @@ import os
 import random
 import re
 import shutil
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from jobgen.train.distributed import pg_timeout
 from jobgen.train.errors import UserError
 from jobgen.train.exit_report import fsync_directory, write_json_atomically
 
@@ -52,7 +43,6 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TEMP_PREFIX = ".tmp-"
 DEEPSPEED_TAG = "deepspeed"
 COMPLETE = "COMPLETE"
-BACKGROUND_NICENESS = 10  # added to the save thread's (Linux: per thread)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 
@@ -69,23 +59,9 @@ class Found:
 
 
 class CheckpointStore:
-    def __init__(
-        self, root: str, dist: Any, keep: int, background: bool = False,
-        on_commit: Optional[Callable[[str, float], None]] = None,
-    ) -> None:
-        """Collective when `background`: creates the gloo group the background saves agree over.
-
-        `on_commit(path, seconds)` runs on every rank once a background save is committed
-        (in the background thread; seconds from the snapshot to the commit)."""
+    def __init__(self, root: str, dist: Any, keep: int) -> None:
         self.root, self.dist, self.keep = root, dist, keep
-        self.on_commit = on_commit
         self.pause = SavePause.from_env(os.path.dirname(root), dist.rank)
-        self._in_flight: Optional[_InFlight] = None
-        self._group = None
-        if background:
-            import torch.distributed
-
-            self._group = torch.distributed.new_group(backend="gloo", timeout=pg_timeout())
 
     # ----------------------------------------------------------------- start
     def remove_stale_temps(self) -> None:
@@ -181,19 +157,19 @@ class CheckpointStore:
         self.pause.at("write", step)
         rng_path = os.path.join(temp, "rng", f"rank-{self.dist.rank:05d}.pt")
         torch.save(rng_states(), rng_path)
-        _fsync_file(rng_path)
+        fsync_file(rng_path)
         if self.dist.is_main:
             state = dict(state, step=step, world_size=self.dist.world_size)
             write_json_atomically(os.path.join(temp, TRAINER_STATE), state)
         self.dist.barrier()  # every rank's files are on disk
-        names = self.dist.broadcast_object(_list_files(temp) if self.dist.is_main else None)
+        names = self.dist.broadcast_object(list_files(temp) if self.dist.is_main else None)
         entries = self._hash_spread(temp, names, expected=None)[0]
         if self.dist.is_main:
-            self._commit(temp, step, state["config_digest"], {name: entries[name] for name in names})
+            self.commit(temp, step, state["config_digest"], {name: entries[name] for name in names})
         self.dist.barrier()
         return final
 
-    def _commit(self, temp: str, step: int, config_digest: str, files: dict) -> str:
+    def commit(self, temp: str, step: int, config_digest: str, files: dict) -> str:
         """Rank 0, once every rank's files in `temp` are durable: manifest, COMPLETE, rename, prune."""
         final = os.path.join(self.root, step_name(step))
         manifest = {"step": step, "world_size": self.dist.world_size, "config_digest": config_digest, "files": files}
@@ -211,105 +187,6 @@ class CheckpointStore:
         fsync_directory(self.root)
         self._prune()
         return final
-
-    # ------------------------------------------------------- background save
-    def start_save(self, engine: Any, step: int, state: dict) -> float:
-        """Collective: wait for the save in flight, snapshot `step` into host memory, and write and
-        commit it in a background thread. Returns the seconds spent waiting for the previous save."""
-        waited = time.perf_counter()
-        self.wait()
-        waited = time.perf_counter() - waited
-        temp = os.path.join(self.root, TEMP_PREFIX + step_name(step))
-        if self.dist.is_main:
-            shutil.rmtree(temp, ignore_errors=True)
-            os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
-        self.dist.barrier()
-        capture = _CapturingEngine(engine.checkpoint_engine)
-        engine.checkpoint_engine = capture
-        try:
-            engine.save_checkpoint(temp, tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
-        finally:
-            engine.checkpoint_engine = capture.inner
-        job = _InFlight(step, temp, capture.inner, capture.captured, time.perf_counter())
-        job.rng = (os.path.join(temp, "rng", f"rank-{self.dist.rank:05d}.pt"), rng_states())
-        if self.dist.is_main:
-            job.trainer_state = copy.deepcopy(dict(state, step=step, world_size=self.dist.world_size))
-        self.pause.at("snapshot", step)
-        job.thread = threading.Thread(target=self._write_in_background, args=(job,), name=f"save-{step}", daemon=True)
-        self._in_flight = job
-        job.thread.start()
-        return waited
-
-    def wait(self) -> Optional[str]:
-        """Wait for the save in flight (every rank: until it is committed); its path, or None if
-        none was. Raises on every rank if any rank failed to write it (no COMPLETE then)."""
-        job, self._in_flight = self._in_flight, None
-        if job is None:
-            return None
-        job.thread.join()
-        kind, value = job.outcome
-        if kind != "committed":
-            raise RuntimeError(f"checkpoint {step_name(job.step)} could not be written: {value}")
-        return value
-
-    @property
-    def busy(self) -> bool:
-        """True while this rank's background save is still writing or agreeing on its commit."""
-        return self._in_flight is not None and self._in_flight.thread.is_alive()
-
-    def _write_in_background(self, job: "_InFlight") -> None:
-        import torch
-        import torch.distributed
-
-        job.outcome = ("failed", "the save thread ended early")
-        try:
-            # Where training keeps every core busy (the CPU), the step goes first; this thread's
-            # files still get written while training waits on I/O or a collective.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
-        except (OSError, AttributeError):
-            pass
-        try:
-            entries, error = {}, None
-            try:
-                torch.save(job.rng[1], job.rng[0])
-                self.pause.at("write", job.step)
-                for path, snapshot in job.captured:
-                    job.inner.save(snapshot, path)
-                if job.trainer_state is not None:
-                    write_json_atomically(os.path.join(job.temp, TRAINER_STATE), job.trainer_state)
-                for path in [job.rng[0], *(path for path, _ in job.captured)]:
-                    _fsync_file(path)
-                    entries[os.path.relpath(path, job.temp)] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-            except Exception as exc:  # noqa: BLE001 - reported to every rank, raised by wait()
-                error = f"rank {self.dist.rank}: {type(exc).__name__}: {exc}"
-            job.captured = []  # the host copy is no longer needed
-            gathered: list = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(gathered, (entries, error), group=self._group)
-            errors = [e for _, e in gathered if e]
-            outcome = ("failed", errors[0]) if errors else None
-            if self.dist.is_main and outcome is None:
-                try:
-                    outcome = ("committed", self._commit_gathered(job, gathered))
-                except Exception as exc:  # noqa: BLE001
-                    outcome = ("failed", f"rank 0: {type(exc).__name__}: {exc}")
-            box = [outcome]
-            torch.distributed.broadcast_object_list(box, src=0, group=self._group)
-            job.outcome = box[0]
-        except Exception as exc:  # noqa: BLE001 - e.g. a rank died: the agreement timed out
-            job.outcome = ("failed", f"{type(exc).__name__}: {exc}")
-        if job.outcome[0] == "committed" and self.on_commit is not None:
-            self.on_commit(job.outcome[1], time.perf_counter() - job.started)
-
-    def _commit_gathered(self, job: "_InFlight", gathered: list) -> str:
-        files: dict = {}
-        for entries, _ in gathered:
-            files.update(entries)
-        for name in _list_files(job.temp):
-            if name not in files:  # written outside the checkpoint engine (DeepSpeed's zero_to_fp32.py)
-                full = os.path.join(job.temp, name)
-                _fsync_file(full)
-                files[name] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
-        return self._commit(job.temp, job.step, job.trainer_state["config_digest"], dict(sorted(files.items())))
 
     def _prune(self) -> None:
         for path in self._complete_dirs()[self.keep :]:
@@ -335,67 +212,6 @@ class CheckpointStore:
             os.path.join(found.path, "rng", f"rank-{self.dist.rank:05d}.pt"), weights_only=False
         )
         set_rng_states(states)
-
-
-@dataclass
-class _InFlight:
-    step: int
-    temp: str
-    inner: Any  # DeepSpeed's own checkpoint engine: writes the files in DeepSpeed's format
-    captured: list  # [(path, host copy of the state dict)]
-    started: float
-    rng: tuple = ()  # (path, this rank's RNG states at the snapshot)
-    trainer_state: Optional[dict] = None
-    thread: Optional[threading.Thread] = None
-    outcome: tuple = ("failed", "not started")
-
-
-class _CapturingEngine:
-    """Stands in for DeepSpeed's checkpoint engine during the snapshot: `save` keeps a host copy
-    of the state dict instead of writing it; everything else is the real engine's."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.captured: list = []
-
-    def save(self, state_dict: Any, path: str) -> None:
-        self.captured.append((path, host_copy(state_dict, {})))
-
-    def preserves_storage_sharing(self) -> bool:
-        return False  # host_copy already copies each tensor on its own; no second clone
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def host_copy(value: Any, memo: dict) -> Any:
-    """`value` with every tensor copied to host memory, so that training can change the originals.
-
-    A tensor met twice is copied once (memo by id). Non-tensor leaves are deep-copied (DeepSpeed's
-    loss scaler changes in place) unless they cannot be, like its config object, which training
-    does not change."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        key = id(value)
-        if key not in memo:
-            memo[key] = value.detach().to("cpu", copy=True)
-        return memo[key]
-    if isinstance(value, dict):
-        result = copy.copy(value)  # keeps OrderedDict/defaultdict and their factories
-        for key, item in value.items():
-            result[key] = host_copy(item, memo)
-        return result
-    if isinstance(value, list):
-        return [host_copy(item, memo) for item in value]
-    if type(value) is tuple:
-        return tuple(host_copy(item, memo) for item in value)
-    if isinstance(value, (str, bytes, int, float, bool, type(None), torch.Size, torch.dtype, torch.device)):
-        return value
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - not copyable: a read-only object such as DeepSpeed's config
-        return value
 
 
 class SavePause:
@@ -455,7 +271,7 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def _list_files(directory: str) -> list[str]:
+def list_files(directory: str) -> list[str]:
     names = []
     for parent, _, files in os.walk(directory):
         for file in files:
@@ -463,7 +279,7 @@ def _list_files(directory: str) -> list[str]:
     return sorted(names)
 
 
-def _fsync_file(path: str) -> None:
+def fsync_file(path: str) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from jobgen.models import Job, Training
 from jobgen.train import checkpoint as ckpt
+from jobgen.train.background_save import BackgroundSaves
 from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, MicroBatches, TokenizedDataset, load_conversations
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest
@@ -187,10 +188,8 @@ class Trainer:
         dist = self.dist = Distributed(self.info, self.p.placement)
         t = self.t
         os.makedirs(self.p.output_dir, exist_ok=True)
-        store = self.store = ckpt.CheckpointStore(
-            os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints,
-            background=t.async_save, on_commit=self._committed_in_background,
-        )
+        store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
+        self.saves = BackgroundSaves(store, on_commit=self._committed_in_background) if t.async_save else None
         error: Optional[BaseException] = None
         found = None
         try:
@@ -342,7 +341,8 @@ class Trainer:
             metrics.close()
             if sample_log:
                 sample_log.close()
-        self.store.wait()  # a stop or the end: the save in flight is committed before anything else
+        if self.saves:
+            self.saves.wait()  # a stop or the end: the save in flight is committed before anything else
         if stop:
             if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
                 self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
@@ -386,13 +386,13 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
         }
         started = time.perf_counter()
-        if self.t.async_save:
-            waited = self.store.start_save(self.engine, step, state)
+        if self.saves:
+            waited = self.saves.start(self.engine, step, state)
             if self.dist.is_main:
                 log.info("checkpoint of step %d: training paused %.2f s (%.2f s of it waiting for the previous save); "
                          "writing in the background", step, time.perf_counter() - started, waited)
             if wait:
-                self.store.wait()
+                self.saves.wait()
             return
         self.report.checkpoint = self.store.save(self.engine, step, state)
         seconds = time.perf_counter() - started
