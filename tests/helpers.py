@@ -1,14 +1,21 @@
-"""Small helpers the tests share: running the real CLI, and the real shell checkers."""
+"""Small helpers the tests share: running the real CLI, the real shell checkers, and installing a
+package as pip lays it out."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser, as a package (the test extra installs it there)
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
@@ -47,3 +54,21 @@ def cannot_run(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must run this test, but: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def install_as_pip_does(package: Path, site_packages: Path) -> None:
+    """`package` (a folder with a pyproject.toml, built with hatch or setuptools) as `pip install`
+    leaves it: its import packages, and a dist-info naming its entry points."""
+    pyproject = tomllib.loads((package / "pyproject.toml").read_text())
+    project, tool = pyproject["project"], pyproject.get("tool", {})
+    names = tool.get("hatch", {}).get("build", {}).get("targets", {}).get("wheel", {}).get("packages") \
+        or tool["setuptools"]["packages"]
+    for name in names:
+        shutil.copytree(package / name, site_packages / name)
+    info = site_packages / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
+        for group, entries in project["entry-points"].items()
+    ))

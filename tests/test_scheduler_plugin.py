@@ -11,34 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from jobgen import runfiles
-from tests.helpers import REPO, jobgen, node_script_of
+from tests.helpers import REPO, install_as_pip_does, jobgen, node_script_of
 
 PLUGIN = REPO / "tests" / "plugins" / "jobgen_shell"
 
 
 def install_plugin(site: Path) -> dict[str, str]:
     """Installs the plug-in into `site`; returns the environment in which it is installed."""
-    project = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]
-    shutil.copytree(PLUGIN / "jobgen_shell", site / "jobgen_shell")
-    dist_info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    entry_points = "".join(
-        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
-        for group, entries in project["entry-points"].items()
-    )
-    (dist_info / "entry_points.txt").write_text(entry_points)
+    install_as_pip_does(PLUGIN, site)
     # jobgen-torchrun and jobgen-train on PATH, as an activated environment has them.
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     return {"PYTHONPATH": str(site), "PATH": path}

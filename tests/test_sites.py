@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import EXAMPLES, REPO, jobgen
+from tests.helpers import EXAMPLES, REPO, install_as_pip_does, jobgen
 
 JOB = {
     "name": "jobgen-test-site",
@@ -246,21 +244,6 @@ def test_a_site_package_ships_its_profile_through_the_jobgen_sites_entry_point(t
     result = jobgen("render", "--site", "mycluster", str(config), env=env)
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --partition=gpu" in result.stdout
-
-
-def install_as_pip_does(package: Path, site_packages: Path) -> None:
-    """The package's folder, and a dist-info naming its entry points: what `pip install` leaves."""
-    pyproject = tomllib.loads((package / "pyproject.toml").read_text())
-    project = pyproject["project"]
-    for name in pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
-        shutil.copytree(package / name, site_packages / name)
-    info = site_packages / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    (info / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
-        for group, entries in project["entry-points"].items()
-    ))
 
 
 def test_the_site_package_of_docs_admins_md_works_as_written(tmp_path: Path) -> None:
