@@ -87,6 +87,18 @@ def test_blocks_filled_by_an_override_change_only_their_part(job_folder: Path) -
     assert custom.stdout.index("export SLURM_CPU_BIND=cores") < custom.stdout.index("\nsrun --nodes")
 
 
+def test_super_prints_the_shipped_block_as_it_is_with_or_without_raw(job_folder: Path) -> None:
+    # Jinja's usual spelling; through the shell quoting, the whole block would be one quoted word.
+    block = '{%% extends "bundled/job.sh.j2" %%}\n{%% block launch %%}\nexport SLURM_CPU_BIND=cores\n%s{%% endblock %%}\n'
+    override(job_folder / "plain-super", "job.sh.j2", block % "{{ super() }}")
+    override(job_folder / "raw-super", "job.sh.j2", block % "{{ super()|raw }}")
+    plain = jobgen("render", "-s", "slurm", "--template-dir", "plain-super", "job.yaml", cwd=job_folder)
+    raw = jobgen("render", "-s", "slurm", "--template-dir", "raw-super", "job.yaml", cwd=job_folder)
+    assert plain.returncode == 0 and raw.returncode == 0, plain.stderr + raw.stderr
+    assert plain.stdout == raw.stdout
+    assert "\nsrun --nodes" in plain.stdout
+
+
 def test_an_undefined_variable_or_a_syntax_error_is_one_line_with_file_and_line(job_folder: Path) -> None:
     cases = {
         '{% extends "bundled/job.sh.j2" %}\n{% block prologue %}\n\n{{ foo }}\n{% endblock %}\n': "site/job.sh.j2:4: 'foo' is undefined",

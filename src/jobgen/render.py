@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, Optional, Sequence
 
 import jinja2
+import jinja2.runtime
 import yaml
 
 from jobgen import __version__
@@ -44,6 +45,29 @@ def shell_quote(value: Any) -> str:
     return shlex.quote(str(value))
 
 
+class _ShippedBlock(jinja2.runtime.BlockReference):
+    """What `{{ super() }}` prints in an override: the parent block, jobgen's own script text, as
+    it is. Through shell_quote the whole block would become one quoted word."""
+
+    def __call__(self) -> Raw:
+        return Raw(super().__call__())
+
+    @property
+    def super(self) -> Any:  # super.super(): the grandparent block, printed the same way
+        return _shipped(super().super)
+
+
+def _shipped(reference: Any) -> Any:
+    if isinstance(reference, jinja2.runtime.BlockReference):
+        return _ShippedBlock(reference.name, reference._context, reference._stack, reference._depth)
+    return reference  # Undefined: there is no parent block
+
+
+class _Context(jinja2.runtime.Context):
+    def super(self, name: str, current: Any) -> Any:
+        return _shipped(super().super(name, current))
+
+
 def as_comment(value: Any) -> Raw:
     """One comment line: control characters cannot end the comment early."""
     return Raw("".join(ch if ch.isprintable() else "?" for ch in str(value)))
@@ -70,6 +94,7 @@ def template_environment(folders: Sequence[TemplateFolder] = ()) -> jinja2.Envir
         comment_start_string="{##",
         comment_end_string="##}",
     )
+    env.context_class = _Context
     env.filters["raw"] = Raw
     env.filters["comment"] = as_comment
     return env
