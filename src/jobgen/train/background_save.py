@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -45,11 +44,7 @@ class BackgroundSaves:
         waited = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - waited
-        temp = os.path.join(self.store.root, ckpt.TEMP_PREFIX + ckpt.step_name(step))
-        if self.dist.is_main:
-            shutil.rmtree(temp, ignore_errors=True)
-            os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
-        self.dist.barrier()
+        temp = self.store.fresh_temp(step)
         capture = _CapturingEngine(engine.checkpoint_engine)
         engine.checkpoint_engine = capture
         try:
@@ -57,7 +52,7 @@ class BackgroundSaves:
         finally:
             engine.checkpoint_engine = capture.inner
         job = _InFlight(step, temp, capture.inner, capture.captured, time.perf_counter())
-        job.rng = (os.path.join(temp, "rng", f"rank-{self.dist.rank:05d}.pt"), ckpt.rng_states())
+        job.rng = (self.store.rng_path(temp), ckpt.rng_states())
         if self.dist.is_main:
             job.trainer_state = copy.deepcopy(dict(state, step=step, world_size=self.dist.world_size))
         self.pause.at("snapshot", step)

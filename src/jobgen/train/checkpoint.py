@@ -148,14 +148,10 @@ class CheckpointStore:
         import torch
 
         final = os.path.join(self.root, step_name(step))
-        temp = os.path.join(self.root, TEMP_PREFIX + step_name(step))
-        if self.dist.is_main:
-            shutil.rmtree(temp, ignore_errors=True)
-            os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
-        self.dist.barrier()
+        temp = self.fresh_temp(step)
         engine.save_checkpoint(temp, tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
         self.pause.at("write", step)
-        rng_path = os.path.join(temp, "rng", f"rank-{self.dist.rank:05d}.pt")
+        rng_path = self.rng_path(temp)
         torch.save(rng_states(), rng_path)
         fsync_file(rng_path)
         if self.dist.is_main:
@@ -168,6 +164,19 @@ class CheckpointStore:
             self.commit(temp, step, state["config_digest"], {name: entries[name] for name in names})
         self.dist.barrier()
         return final
+
+    def fresh_temp(self, step: int) -> str:
+        """Collective: the empty `.tmp-` directory every rank writes `step`'s files into."""
+        temp = os.path.join(self.root, TEMP_PREFIX + step_name(step))
+        if self.dist.is_main:
+            shutil.rmtree(temp, ignore_errors=True)
+            os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
+        self.dist.barrier()
+        return temp
+
+    def rng_path(self, checkpoint: str) -> str:
+        """This rank's RNG states in `checkpoint` (a complete one or a `.tmp-` directory)."""
+        return os.path.join(checkpoint, "rng", f"rank-{self.dist.rank:05d}.pt")
 
     def commit(self, temp: str, step: int, config_digest: str, files: dict) -> str:
         """Rank 0, once every rank's files in `temp` are durable: manifest, COMPLETE, rename, prune."""
@@ -208,9 +217,7 @@ class CheckpointStore:
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {found.path}")
-        states = torch.load(
-            os.path.join(found.path, "rng", f"rank-{self.dist.rank:05d}.pt"), weights_only=False
-        )
+        states = torch.load(self.rng_path(found.path), weights_only=False)
         set_rng_states(states)
 
 
