@@ -11,7 +11,7 @@ job is released 3 s later (as root, `scontrol update StartTime=now`, standing in
 either way). After the last preemption the job is cancelled instead, so every segment is one
 interval long and ends by preemption (max_steps is set beyond reach).
 
-Goodput (src/jobgen/status.py): the seconds the trainer spent in its training loop (steps and
+Goodput (src/jobgen/rundir/status.py): the seconds the trainer spent in its training loop (steps and
 the checkpoints saved inside it), summed over the finished segments, over the seconds those
 segments held their nodes (the batch script's start line to its end line). What it leaves out:
 the batch script's start, imports, process group, model load, DeepSpeed init, checkpoint load,
@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from jobgen.status import _epoch  # noqa: E402
+from jobgen.rundir.status import _epoch  # noqa: E402
 
 
 def scontrol(job_id: str) -> dict[str, str]:

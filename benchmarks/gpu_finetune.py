@@ -356,8 +356,9 @@ def plain_loop(args: argparse.Namespace) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobgen.models import Lora
-    from jobgen.train.data import ChatTokenizer, TokenizedDataset, load_conversations
+    from jobgen.job.models import Lora
+    from jobgen.job.conversations import load_conversations
+    from jobgen.train.data import ChatTokenizer, TokenizedDataset
 
     model_dir, data = args.plain
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
@@ -374,7 +375,7 @@ def plain_loop(args: argparse.Namespace) -> int:
     if variant.startswith("ds"):
         import deepspeed
 
-        from jobgen.models import Training
+        from jobgen.job.models import Training
         from jobgen.train.dsconfig import build_config
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")

@@ -62,8 +62,9 @@ def hf_trainer(job_path: str, out_path: str) -> None:
     import yaml
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from jobgen.models import Job
-    from jobgen.train.data import ChatTokenizer, TokenizedDataset, load_conversations
+    from jobgen.job.models import Job
+    from jobgen.job.conversations import load_conversations
+    from jobgen.train.data import ChatTokenizer, TokenizedDataset
     from jobgen.train.dsconfig import build_config
     from jobgen.train.modeling import load_model, load_tokenizer
 

@@ -68,8 +68,9 @@ def main() -> None:
 
     import torch
 
-    from jobgen.models import Training
-    from jobgen.train.data import ChatTokenizer, TokenizedDataset, load_conversations, pack_rows
+    from jobgen.job.models import Training
+    from jobgen.job.conversations import load_conversations
+    from jobgen.train.data import ChatTokenizer, TokenizedDataset, pack_rows
     from jobgen.train.modeling import load_model, load_tokenizer
     from jobgen.train.tiny import build
     from jobgen.train.trainer import _token_loss_sum

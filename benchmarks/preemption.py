@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jobgen.status import _epoch, pair_segments  # noqa: E402
+from jobgen.rundir.status import _epoch, pair_segments  # noqa: E402
 
 
 def scontrol(job_id: str) -> dict[str, str]:

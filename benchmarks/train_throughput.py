@@ -76,8 +76,9 @@ def bare_loop(job_path: str, out_path: str) -> None:
     import torch
     import yaml
 
-    from jobgen.models import Job
-    from jobgen.train.data import BatchOrder, ChatTokenizer, TokenizedDataset, load_conversations
+    from jobgen.job.models import Job
+    from jobgen.job.conversations import load_conversations
+    from jobgen.train.data import BatchOrder, ChatTokenizer, TokenizedDataset
     from jobgen.train.dsconfig import build_config
     from jobgen.train.modeling import load_model, load_tokenizer
 

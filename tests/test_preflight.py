@@ -14,10 +14,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobgen import preflight
+from jobgen.job import preflight
 from jobgen.errors import JobgenError
-from jobgen.models import Job
-from jobgen.train.data import check_conversations_head, load_conversations
+from jobgen.job.models import Job
+from jobgen.job.conversations import check_conversations_head, load_conversations
 from tests.helpers import jobgen
 
 TURNS = [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "hello"}]

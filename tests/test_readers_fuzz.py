@@ -14,12 +14,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobgen import render as render_module
-from jobgen.config import apply_override, load_site, resolve_job
+from jobgen.script import render as render_module
+from jobgen.job.layers import apply_override, load_site, resolve_job
 from jobgen.errors import JobgenError
-from jobgen.models import Job
-from jobgen.train.data import ROLES, check_conversations_head, load_conversations
-from jobgen.train.errors import UserError
+from jobgen.job.models import Job
+from jobgen.job.conversations import ROLES, check_conversations_head, load_conversations
+from jobgen.errors import UserError
 from tests.helpers import REPO, jobgen
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,7 +78,7 @@ def with_value(dotted: str, value) -> dict:
     return job
 
 
-# --- job file and site profile (jobgen.config) ---------------------------------------------------
+# --- job file and site profile (jobgen.job.layers) ---------------------------------------------------
 
 
 @FUZZ
@@ -170,7 +170,7 @@ def test_yaml_that_expands_or_nests_without_end_is_refused_quickly(folder: Path)
             resolve_job(path)
 
 
-# --- template overrides (jobgen.render) -----------------------------------------------------------
+# --- template overrides (jobgen.script.render) -----------------------------------------------------------
 
 JINJA_PIECES = st.sampled_from(
     ["{{", "}}", "{%", "%}", "{##", "##}", " if ", " endif ", " for x in ", " endfor ", " block prologue ", " endblock ",

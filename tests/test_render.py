@@ -14,9 +14,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobgen.config import resolve_job
-from jobgen.models import Job
-from jobgen.render import job_yaml, render
+from jobgen.job.layers import resolve_job
+from jobgen.job.models import Job
+from jobgen.script.render import job_yaml, render
 from tests.helpers import jobgen, node_script_of, shell_findings
 
 HOSTILE = [
@@ -225,7 +225,7 @@ def test_render_imports_no_training_library_nor_plugin_scan(tmp_path: Path) -> N
         "import sys; from jobgen.cli import main\n"
         f"try: main(['render', '-s', 'slurm', {str(config)!r}])\n"
         "except SystemExit: pass\n"
-        # importlib.metadata: pydantic's plugin scan, which jobgen.startup spares a command.
+        # importlib.metadata: pydantic's plugin scan, which jobgen.cli.startup spares a command.
         "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'peft', 'submitit', 'importlib.metadata')\n"
         "               if m in sys.modules)\n"
         "print('HEAVY', heavy, file=sys.stderr)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobgen import runfiles
+from jobgen.rundir import files as runfiles
 from tests.helpers import REPO, install_as_pip_does, jobgen, node_script_of
 
 PLUGIN = REPO / "tests" / "plugins" / "jobgen_shell"
@@ -160,9 +160,9 @@ RENAMED = {
 
 @pytest.mark.parametrize("scheduler,launcher", [("slurm", "srun"), ("pbs", "pbsdsh"), ("pbs", "mpiexec"), ("torque", "ssh"), ("local", "local")])
 def test_templates_take_every_run_directory_name_from_runfiles(tmp_path: Path, monkeypatch, scheduler: str, launcher: str) -> None:
-    """Renamed in jobgen.runfiles, a name is renamed in every script line: no template spells one."""
-    from jobgen.config import resolve_job
-    from jobgen.render import render
+    """Renamed in jobgen.rundir.files, a name is renamed in every script line: no template spells one."""
+    from jobgen.job.layers import resolve_job
+    from jobgen.script.render import render
 
     for attribute, name in RENAMED.items():
         monkeypatch.setattr(runfiles.TEMPLATE_FILES, attribute, name)

@@ -115,7 +115,7 @@ def preempt_everything() -> None:
 
 
 def segments(run_dir: Path) -> list[dict]:
-    from jobgen.status import pair_segments
+    from jobgen.rundir.status import pair_segments
 
     events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
     return pair_segments(events)

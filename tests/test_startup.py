@@ -1,4 +1,4 @@
-"""jobgen.startup: what a command skips at start-up, and that skipping it changes nothing else."""
+"""jobgen.cli.startup: what a command skips at start-up, and that skipping it changes nothing else."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def run_python(code: str) -> str:
 def test_pydantic_builds_and_validates_models_with_the_plugin_loader_stood_in() -> None:
     out = run_python(
         "import sys, gc\n"
-        "from jobgen.startup import skip_startup_costs\n"
+        "from jobgen.cli.startup import skip_startup_costs\n"
         "skip_startup_costs()\n"
         "from pydantic import BaseModel, ValidationError\n"
         "class M(BaseModel):\n"
@@ -34,7 +34,7 @@ def test_any_other_use_of_the_plugin_loader_gets_the_real_one() -> None:
     # A later pydantic might ask its loader for more than get_plugins: it must get the real thing.
     out = run_python(
         "import sys\n"
-        "from jobgen.startup import skip_startup_costs\n"
+        "from jobgen.cli.startup import skip_startup_costs\n"
         "skip_startup_costs()\n"
         "from pydantic.plugin import _loader\n"
         "print(_loader.PYDANTIC_ENTRY_POINT_GROUP)\n"

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from jinja2 import meta, nodes
 
-from jobgen.render import template_environment
-from jobgen.template_contract import BLOCKS, VARIABLES, markdown
+from jobgen.script.render import template_environment
+from jobgen.script.template_contract import BLOCKS, VARIABLES, markdown
 from tests.helpers import REPO, jobgen
 
 JOB = {
@@ -41,9 +41,9 @@ def test_the_bundled_blocks_and_their_variables_are_the_contract() -> None:
     env = template_environment()
     for template, contract in BLOCKS.items():
         found = blocks_of(env, template)
-        assert list(found) == list(contract), f"{template}: blocks changed; update src/jobgen/template_contract.py"
+        assert list(found) == list(contract), f"{template}: blocks changed; update src/jobgen/script/template_contract.py"
         for block, (_, variables) in contract.items():
-            assert found[block] == variables, f"{template} block {block}: update src/jobgen/template_contract.py"
+            assert found[block] == variables, f"{template} block {block}: update src/jobgen/script/template_contract.py"
             assert variables <= VARIABLES.keys()
 
 
@@ -57,7 +57,7 @@ def test_scheduler_templates_fill_only_the_skeletons_blocks_with_documented_vari
 
 def test_the_contract_document_is_the_contract_table() -> None:
     text = (REPO / "docs" / "template-contract.md").read_text()
-    start = text.index("<!-- contract: generated from src/jobgen/template_contract.py -->\n")
+    start = text.index("<!-- contract: generated from src/jobgen/script/template_contract.py -->\n")
     section = text[text.index("\n", start) + 1 : text.index("<!-- end of contract -->")]
     assert section == markdown(), "regenerate the tables of docs/template-contract.md from template_contract.markdown()"
 
@@ -104,7 +104,7 @@ def test_an_undefined_variable_or_a_syntax_error_is_one_line_with_file_and_line(
         '{% extends "bundled/job.sh.j2" %}\n{% block prologue %}\n\n{{ foo }}\n{% endblock %}\n': "site/job.sh.j2:4: 'foo' is undefined",
         '{% extends "bundled/job.sh.j2" %}\n{% block prologue %}\n{{ job.name }\n{% endblock %}\n': "site/job.sh.j2:3: unexpected '}'",
         '{% extends "bundled/job.sh.j2" %}\n{% block prologue %}{{ job.resources.partiton }}{% endblock %}\n':
-            "site/job.sh.j2:2: 'jobgen.models.Resources object' has no attribute 'partiton'",
+            "site/job.sh.j2:2: 'jobgen.job.models.Resources object' has no attribute 'partiton'",
     }
     for text, message in cases.items():
         override(job_folder / "site", "job.sh.j2", text)

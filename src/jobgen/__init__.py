@@ -1,3 +1,20 @@
-"""jobgen: one typed job description, rendered and submitted to Slurm, PBS Pro or Torque."""
+"""jobgen: one typed job description, rendered and submitted to Slurm, PBS Pro or Torque.
+
+The package is its parts, each a subpackage, lowest first; a part imports only the parts below
+it (tests/test_layout.py checks every import, lazy ones included):
+
+    job/         the job description: the models, their layers (defaults < site profile < job
+                 file < --set), site profiles, readers of the user's files, pre-submit checks
+    schedulers/  one module per scheduler: its directives, submit, state and cancel
+    script/      rendering a job into a batch script: templates, their search path and contract,
+                 containers
+    rundir/      the run directory: its file names, the submission that lays it out, and every
+                 reader of it (status, logs, progress, metrics, plot)
+    train/       what runs on the nodes: jobgen-train, jobgen-probe, jobgen-torchrun
+    cli/         the `jobgen` command, one module per command group
+
+Below them all, shared by every part: `errors` (one-line errors for people), `files` (atomic
+writes), `resources` (where the bundled templates and configs are), `plugins` (entry points).
+"""
 
 __version__ = "0.1.0"

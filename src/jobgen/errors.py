@@ -11,6 +11,13 @@ class JobgenError(Exception):
     """A user's mistake or a refusal from the scheduler: printed as one line, exit status 2."""
 
 
+class UserError(JobgenError):
+    """A problem the user can fix by changing the job, the data or the command line, found by
+    code that both the trainer and the login node's checks run (reading the data, the model
+    reference): one line naming the file, item, field or value at fault. `jobgen-train` prints it
+    as `jobgen-train: error: MESSAGE` and exits 2, never with a traceback."""
+
+
 def describe_validation_error(error: ValidationError, model: type[BaseModel], source: str) -> str:
     """All problems in a job, one line each, with the closest known key for unknown keys."""
     return describe_errors(error.errors(), model, source)

@@ -29,7 +29,7 @@ def site_package_folders() -> list[tuple[str, Path]]:
     An entry point names a package (`mycluster = "mycluster_jobgen"`): its folder is the
     package's own directory. Or it names an attribute holding a path (`"mycluster_jobgen:SITE_DIR"`),
     relative to the package's directory unless absolute. What the folder holds is the site
-    profiles' business (jobgen.sites). A package that cannot be imported is a JobgenError.
+    profiles' business (jobgen.job.sites). A package that cannot be imported is a JobgenError.
     """
     folders = []
     for entry in sorted(_entry_points(SITE_GROUP), key=lambda entry: entry.name):

@@ -10,11 +10,11 @@ import time
 import pytest
 import yaml
 
-from jobgen.models import Training
-from jobgen.train.data import load_conversations
+from jobgen.job.models import Training
+from jobgen.job.conversations import load_conversations
 from jobgen.train.dsconfig import build_config
-from jobgen.train.errors import UserError
-from jobgen.train.modeling import check_model_reference
+from jobgen.errors import UserError
+from jobgen.job.model_reference import check_model_reference
 
 GOOD_TURNS = [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "hello"}]
 
@@ -159,7 +159,7 @@ def test_gpu_job_where_cuda_is_unusable_is_an_error_not_a_cpu_run(make_job, tool
     raw = yaml.safe_load(job.read_text())
     raw["resources"]["gpus_per_node"], raw["launch"] = 1, {}
     job.write_text(yaml.safe_dump(raw))
-    for entry in (["-m", "jobgen.train"], ["-m", "jobgen.probe"]):
+    for entry in (["-m", "jobgen.train"], ["-m", "jobgen.train.probe"]):
         result = subprocess.run([sys.executable, *entry, "--job", str(job)], cwd=job.parent,
                                 env=tools.subprocess_env(), capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, load_conversations
+from jobgen.job.conversations import load_conversations
+from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import StopRequest
 from jobgen.train.trainer import LRFactor
@@ -115,7 +116,7 @@ def test_exit_report_is_written_whole(tmp_path):
 def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny, tmp_path, monkeypatch):
     import shutil
 
-    from jobgen.models import Job
+    from jobgen.job.models import Job
     from jobgen.train.trainer import prepare
 
     shutil.copy(tiny / "data.json", tmp_path / "conversations.json")

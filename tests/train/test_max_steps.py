@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobgen.models import Training
-from jobgen.train.errors import UserError
+from jobgen.job.models import Training
+from jobgen.errors import UserError
 from jobgen.train.trainer import LRFactor, check_schedule_total, total_steps_of
 
 

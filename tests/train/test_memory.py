@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobgen.models import Training
-from jobgen.train.errors import UserError
+from jobgen.job.models import Training
+from jobgen.errors import UserError
 from jobgen.train.memory import check_fits, count_parameters
 
 H100_BYTES = 80 * 2**30  # an H100 80GB shows about this much to torch

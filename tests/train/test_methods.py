@@ -50,7 +50,7 @@ def test_qlora_bf16_trains_4bit_layers_and_saves_a_peft_adapter(make_job, tools,
 
 QLORA_LOAD = """
 import sys, torch
-from jobgen.models import Training
+from jobgen.job.models import Training
 from jobgen.train.modeling import load_model
 model = load_model(Training(model=sys.argv[1], data="data.json", method="qlora"), "fp32", torch.device("cpu"))
 print("mapped:", [line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith(".safetensors")])

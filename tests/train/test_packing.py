@@ -12,8 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from jobgen.models import Training
-from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, load_conversations, pack_rows
+from jobgen.job.models import Training
+from jobgen.job.conversations import load_conversations
+from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, pack_rows
 from jobgen.train.modeling import load_model, load_tokenizer
 from jobgen.train.trainer import _token_loss_sum
 
@@ -149,7 +150,7 @@ def test_packed_run_sees_every_sample_once_per_epoch_and_cycles_to_max_steps(pac
 
 
 def test_too_few_packed_rows_for_gradient_accumulation_is_one_line(tiny):
-    from jobgen.train.errors import UserError
+    from jobgen.errors import UserError
     from jobgen.train.trainer import _check_enough_batches
 
     dataset = _dataset(tiny)  # 48 conversations make 20 rows of <= 256 tokens: 10 per rank, 3 batches of 4

@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from jobgen.commands import require, run
+from jobgen.schedulers.commands import require, run
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
 

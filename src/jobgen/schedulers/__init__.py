@@ -3,11 +3,15 @@
 The bundled schedulers are listed here; installed packages add more through the
 `jobgen.schedulers` entry-point group (jobgen.plugins). A bundled name always means the bundled
 scheduler: a plug-in cannot replace one.
+
+May import jobgen.job (a scheduler reads the job's resources); nothing above. `commands.py` runs a
+scheduler's own commands and turns their refusals into one line.
 """
 
 from __future__ import annotations
 
 from jobgen.errors import JobgenError
+from jobgen.job.models import Job
 from jobgen.schedulers.base import Scheduler
 
 # Imported on first use: a render for one scheduler loads only that module (cold start counts).
@@ -43,6 +47,19 @@ def get_scheduler(name: str) -> Scheduler:
             f"name must be '{name}', the entry point's name, so that status and cancel find it again"
         )
     return cls()
+
+
+def refuse_unknown_directives(job: Job, scheduler: Scheduler) -> None:
+    """Another scheduler's extra directives are left out (one job file may serve several); a line
+    no scheduler reads is a typo (`#SBTACH`), refused rather than dropped."""
+    lines = [line for line in job.extra_directives if not scheduler.is_own_directive(line)]
+    if not lines:
+        return  # the usual case: no scheduler but the chosen one is loaded
+    known = directive_prefixes()
+    for line in lines:
+        if line.split(maxsplit=1)[0] not in known:
+            accepted = ", ".join(f"{prefix} ({' or '.join(names)})" for prefix, names in known.items())
+            raise JobgenError(f"extra_directives: '{line}' is no scheduler's directive; accepted prefixes: {accepted}")
 
 
 def directive_prefixes() -> dict[str, list[str]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from jobgen.errors import JobgenError
-from jobgen.models import Job, _slug
+from jobgen.job.models import Job, _slug
 from jobgen.schedulers.state import JobState
 
 
@@ -47,8 +47,10 @@ class Scheduler:
     # `state().state` words (upper case) of a job still queued or running: a second submission
     # into its run directory is refused meanwhile.
     active_states: ClassVar[frozenset[str]] = frozenset()
-    # True where `submit` runs the job to its end in the foreground: the run directory is then
-    # the whole record, there is no scheduler to ask, and the command's exit status is the job's.
+    # True where the job runs here, in the foreground: `submit` starts it and leaves it in
+    # `self.process` (a Popen whose stdout is a pipe), which the caller shows until it ends. The
+    # run directory is then the whole record, there is no scheduler to ask, and the command's exit
+    # status is the job's.
     runs_in_foreground: ClassVar[bool] = False
 
     def template_dirs(self) -> list[Path]:
@@ -63,7 +65,8 @@ class Scheduler:
         return {"scheduler": self.name, "scheduler_env": self.job_environment}
 
     def directives(self, job: Job) -> list[str]:
-        """Header lines, in order; the job's own extra directives of this flavour come last.
+        """Header lines, in order; the job's own extra directives of this flavour come last (the
+        other schedulers' are left out: jobgen.schedulers.refuse_unknown_directives checks them).
 
         An extra directive that sets an option jobgen generates is refused (JobgenError): the
         scheduler would honour one of the two, PBS Pro the first `-l select`, sbatch the last.
@@ -72,7 +75,6 @@ class Scheduler:
         own = [f"{self.directive_prefix} {option}" for option in self.options(job)]
         extra = [line for line in job.extra_directives if self.is_own_directive(line)]
         self._refuse_conflicts(own, extra)
-        _refuse_unknown_prefixes([line for line in job.extra_directives if not self.is_own_directive(line)])
         return own + extra
 
     def is_own_directive(self, line: str) -> bool:
@@ -135,20 +137,6 @@ class Scheduler:
     def job_name(job: Job) -> str:
         # Schedulers restrict names (PBS: no spaces, 236 chars); the full name stays in the header.
         return _slug(job.name)[:64]
-
-
-def _refuse_unknown_prefixes(lines: list[str]) -> None:
-    """Another scheduler's lines are left out (one job file may serve several); a line no
-    scheduler reads is a typo (`#SBTACH`), refused rather than dropped."""
-    if not lines:
-        return  # the usual case: no scheduler but the chosen one is loaded
-    from jobgen.schedulers import directive_prefixes
-
-    known = directive_prefixes()
-    for line in lines:
-        if line.split(maxsplit=1)[0] not in known:
-            accepted = ", ".join(f"{prefix} ({' or '.join(names)})" for prefix, names in known.items())
-            raise JobgenError(f"extra_directives: '{line}' is no scheduler's directive; accepted prefixes: {accepted}")
 
 
 def directive_options(line: str) -> list[tuple[str, str]]:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from jobgen.errors import JobgenError
-from jobgen.models import Job
-from jobgen import runfiles
+from jobgen.job.models import Job
+from jobgen.rundir import files as runfiles
 from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
 
@@ -29,19 +29,17 @@ class Local(Scheduler):
     runs_in_foreground = True
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
+        """Starts the script here and returns; `self.process` is it, its output a pipe that the
+        caller shows (jobgen.rundir.submission, with the training's progress) until it ends."""
         job_id = f"local-{os.getpid()}-{int(time.time())}"
         env = {**os.environ, "JOBGEN_JOB_ID": job_id}
         log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
-        # The script writes its own log (as on every scheduler); its output also comes here, with
-        # the training's progress. Ctrl-C: the terminal sends SIGINT to the whole group, and the
-        # script checkpoints and stops while this goes on showing its output.
-        process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {process.pid}\n")
-        from jobgen.progress import watch_process
-
-        watch_process(process, run_dir, sys.stderr)
-        self.returncode = process.returncode
+        # The script writes its own log (as on every scheduler); its output also goes to the
+        # caller. Ctrl-C: the terminal sends SIGINT to the whole group, and the script
+        # checkpoints and stops while the caller goes on showing its output.
+        self.process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {self.process.pid}\n")
         return job_id
 
     def state(self, job_id: str) -> Optional[JobState]:

@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from jobgen.commands import require, run
+from jobgen.schedulers.commands import require, run
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 from jobgen.schedulers.base import JobEnvironment, Scheduler, directive_options, hms, memory_text
 from jobgen.schedulers.state import JobState
 

@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from jobgen.commands import require, run, scheduler_message
+from jobgen.schedulers.commands import require, run, scheduler_message
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 from jobgen.schedulers.base import JobEnvironment, Scheduler, directive_options, memory_text
 from jobgen.schedulers.state import JobState, parse_key_values
 

@@ -6,7 +6,7 @@ resource set to true becomes a property (`nodes=2:ppn=8:bigmem`), any other is w
 
 from __future__ import annotations
 
-from jobgen.models import Job
+from jobgen.job.models import Job
 from jobgen.schedulers.base import hms, memory_text
 from jobgen.schedulers.pbs import PbsPro
 

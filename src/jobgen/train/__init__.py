@@ -4,8 +4,13 @@
 
 Modules, one concept each: `data` (conversations, chat layout, batch order), `modeling` (model,
 tokenizer, LoRA/Q-LoRA), `dsconfig` (DeepSpeed config), `distributed` (ranks, process group),
-`checkpoint` (save/verify/find/load/prune), `stop` (signal flag), `metrics`, `exit_report`
-(`RUN_DIR/trainer-exit.json`), `trainer` (the loop), `tiny` (a local tiny model for tests).
+`checkpoint` (save/verify/find/load/prune), `background_save`, `stop` (signal flag), `metrics`,
+`exit_report` (`RUN_DIR/trainer-exit.json`), `console` (where a rank's output goes), `memory`
+(will it fit), `trainer` (the loop), `probe` (jobgen-probe), `torchrun` (jobgen-torchrun), `tiny`
+(a local tiny model for tests). Reading the data file and the model reference is jobgen.job's.
+
+May import jobgen.job and the run directory's names (jobgen.rundir.files, .metrics); never the
+command line, the schedulers or the script.
 
 Paths: `training.model` and `training.data` (and `training.deepspeed_config`) are relative to the
 working directory; `training.output_dir` is relative to the run directory.

@@ -10,7 +10,7 @@ import traceback
 from typing import Optional
 
 from jobgen.train.console import finish_output, route_output
-from jobgen.train.errors import UserError
+from jobgen.errors import UserError
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import STOP_FILE, StopRequest
 
@@ -28,7 +28,7 @@ def load_job(path: str):
     """The validated Job in `path`, read as `jobgen validate` reads it; UserError otherwise."""
     from pathlib import Path
 
-    from jobgen.config import resolve_job
+    from jobgen.job.layers import resolve_job
     from jobgen.errors import JobgenError
 
     try:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from jobgen.train.errors import UserError
+from jobgen.errors import UserError
 from jobgen.train.exit_report import fsync_directory, write_json_atomically
 
 log = logging.getLogger("jobgen.train")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import TextIO
 
-from jobgen.runfiles import rank_log
+from jobgen.rundir.files import rank_log
 
 
 _tee: "subprocess.Popen[bytes] | None" = None

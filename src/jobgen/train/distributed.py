@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from jobgen.train.errors import UserError
+from jobgen.errors import UserError
 
 DEFAULT_TIMEOUT_MINUTES = 30.0
 

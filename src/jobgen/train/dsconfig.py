@@ -16,8 +16,8 @@ import json
 import os
 from typing import Any
 
-from jobgen.models import Training
-from jobgen.train.errors import UserError
+from jobgen.job.models import Training
+from jobgen.errors import UserError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Installed wheel: jobgen/configs/deepspeed; source checkout: <repo>/configs/deepspeed.

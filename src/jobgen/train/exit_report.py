@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Optional
 
-from jobgen.runfiles import TRAINER_EXIT
+from jobgen.rundir.files import TRAINER_EXIT
 
 EXIT_FILE = TRAINER_EXIT
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobgen.models import Training
-from jobgen.train.errors import UserError
+from jobgen.job.models import Training
+from jobgen.errors import UserError
 
 GB = 1e9
 NF4_BYTES = 0.5 + 0.06  # 4 bits, plus double-quantized block scales

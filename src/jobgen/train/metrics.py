@@ -19,8 +19,9 @@ import resource
 import time
 from typing import Any, Optional
 
-METRICS_FILE = "metrics.jsonl"
-STARTUP_FILE = "startup.jsonl"
+from jobgen.rundir.files import METRICS_FILE, STARTUP_FILE
+from jobgen.rundir.metrics import describe_progress
+
 log = logging.getLogger("jobgen.train")
 
 
@@ -120,21 +121,3 @@ class MetricsWriter:
             self.handle.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
-
-
-def describe_progress(record: dict) -> str:
-    """One line a person reads: 'step 12/40  loss 2.3456  1,234 tokens/s  0:28 left'."""
-    parts = [f"step {record['step']}/{record['total_steps']}" if record.get("total_steps") else f"step {record['step']}"]
-    if isinstance(record.get("loss"), (int, float)):
-        parts.append(f"loss {record['loss']:.4f}")
-    if isinstance(record.get("tokens_per_s"), (int, float)):
-        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
-    if isinstance(record.get("seconds_left"), (int, float)):
-        parts.append(f"{format_duration(record['seconds_left'])} left")
-    return "  ".join(parts)
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

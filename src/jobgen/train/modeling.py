@@ -10,29 +10,12 @@ model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU
 from __future__ import annotations
 
 import logging
-import os
-import re
 from typing import Any
 
-from jobgen.models import Training
-from jobgen.train.errors import UserError
+from jobgen.job.models import Training
+from jobgen.errors import UserError
 
 log = logging.getLogger("jobgen.train")
-HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def check_model_reference(model: str) -> None:
-    """Before anything distributed: a local path must exist and look like a saved model."""
-    if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise UserError(f"training.model: {model!r} is a directory without config.json; expected a saved model")
-        return
-    if os.path.exists(model):
-        raise UserError(f"training.model: {model!r} is a file; expected a model directory or a hub name")
-    if not HUB_NAME.match(model) or os.path.isdir(model.split("/")[0]):
-        raise UserError(f"training.model: path {model!r} does not exist (and it is not a hub name like org/name)")
-
-
 def torch_dtype(precision: str) -> Any:
     import torch
 

@@ -16,7 +16,7 @@ import os
 import signal
 from typing import Optional
 
-from jobgen.runfiles import STOP_REQUESTED
+from jobgen.rundir.files import STOP_REQUESTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 STOP_FILE = STOP_REQUESTED

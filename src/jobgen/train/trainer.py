@@ -25,16 +25,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from jobgen.models import Job, Training
+from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
-from jobgen.train.data import BatchOrder, ChatTokenizer, Conversation, MicroBatches, TokenizedDataset, load_conversations
+from jobgen.job.conversations import Conversation, load_conversations
+from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest
-from jobgen.train.errors import UserError
+from jobgen.errors import UserError
 from jobgen.train.exit_report import ExitReport
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
-from jobgen.train.modeling import check_model_reference, load_model, load_tokenizer
+from jobgen.job.model_reference import check_model_reference
+from jobgen.train.modeling import load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
 
 log = logging.getLogger("jobgen.train")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 from jobgen.schedulers.base import JobEnvironment, Scheduler, directive_options
 from jobgen.schedulers.state import JobState
 

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from jobgen.runmetrics import JsonlTail, output_dir
-from jobgen.train.metrics import METRICS_FILE, describe_progress
+from jobgen.rundir.metrics import JsonlTail, output_dir
+from jobgen.rundir.files import METRICS_FILE
+from jobgen.rundir.metrics import describe_progress
 
 POLL_SECONDS = 0.5
 TRAINER_STEP_LINE = re.compile(r"\] INFO step \d+(/\d+)?  ")
@@ -110,8 +111,8 @@ def follow_log(target: str, node: Optional[int], rank: Optional[int], out: TextI
     good (or Ctrl-C). The log is looked up again at each new segment (a PBS continuation runs
     under a new job id). Progress is drawn on a terminal; as plain lines only in the batch log,
     which has no trainer lines of its own."""
-    from jobgen.rundir import find_run
-    from jobgen.status import log_path
+    from jobgen.rundir.run import find_run
+    from jobgen.rundir.status import log_path
 
     run = find_run(target)
     submissions = run.submissions()

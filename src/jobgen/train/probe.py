@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jobgen.train.__main__ import load_job
     from jobgen.train.distributed import place
-    from jobgen.train.errors import UserError
+    from jobgen.errors import UserError
     from jobgen.train.exit_report import ExitReport, write_exit_report, write_json_atomically
 
     started = time.time()

@@ -28,9 +28,9 @@ from typing import Annotated, Any, Iterator, Optional
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from jobgen.errors import JobgenError, describe_errors, describe_validation_error
-from jobgen.models import SCHEDULER_NAME, Job, parse_time_limit
+from jobgen.job.models import SCHEDULER_NAME, Job, parse_time_limit
 from jobgen.resources import bundled_path
-from jobgen.yamlfile import read_yaml_mapping
+from jobgen.job.yamlfile import read_yaml_mapping
 
 NO_SITE = "none"
 PROFILE_KEYS = ("description", "scheduler", "defaults", "limits", "templates", "examples")
@@ -206,8 +206,6 @@ def read_profile(path: Path, name: str) -> SiteProfile:
     except ValidationError as error:
         raise JobgenError(describe_validation_error(error, ProfileFile, str(path))) from None
     _check_defaults(profile.defaults, path)
-    if profile.scheduler:
-        _check_scheduler(profile.scheduler, path)
     return SiteProfile(
         name=name,
         path=path,
@@ -247,23 +245,15 @@ def _check_defaults(defaults: dict[str, Any], path: Path) -> None:
             raise JobgenError(describe_errors(problems, Job, f"{path}: defaults")) from None
 
 
-def _check_scheduler(name: str, path: Path) -> None:
-    from jobgen.schedulers import get_scheduler
-
-    try:
-        get_scheduler(name)
-    except JobgenError as error:
-        raise JobgenError(f"{path}: 'scheduler': {error}") from None
-
-
-def check_limits(job: Job, site: SiteProfile, source: str) -> None:
+def check_limits(job: Job, site: SiteProfile, source: str, partition_word: str = "partition") -> None:
     """Refuses a job that asks its partition for more than the site allows: one line per limit,
-    naming the field to change."""
+    naming the field to change. `partition_word` is what the site's scheduler calls a partition
+    (PBS: a queue); the caller, who knows the scheduler, says it."""
     partition = job.resources.partition
     limits = site.limits.get(partition) if partition else None
     if limits is None:
         return
-    resources, word = job.resources, _partition_word(site)
+    resources, word = job.resources, partition_word
     over: list[tuple[str, str, str]] = []  # (field, what the partition allows, what the job asks)
     if limits.max_nodes is not None and resources.nodes > limits.max_nodes:
         over.append(("resources.nodes", f"at most {limits.max_nodes} nodes", f"{resources.nodes}"))
@@ -280,12 +270,3 @@ def check_limits(job: Job, site: SiteProfile, source: str) -> None:
             f"lower '{name}' or choose another {word} (limits of site {site.name})"
             for name, allowed, asked in over
         ))
-
-
-def _partition_word(site: SiteProfile) -> str:
-    """PBS calls a partition a queue: the scheduler says what it calls one."""
-    if not site.scheduler:
-        return "partition"
-    from jobgen.schedulers import get_scheduler
-
-    return get_scheduler(site.scheduler).partition_word

@@ -10,16 +10,9 @@ from typing import Optional
 
 import click
 
+from jobgen.cli.options import template_dir_option
 from jobgen.errors import JobgenError
 
-template_dir_option = click.option(
-    "--template-dir",
-    "template_dirs",
-    multiple=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    metavar="DIR",
-    help="A folder of templates looked up first, before $JOBGEN_TEMPLATE_PATH and the site's (repeatable).",
-)
 _site_option = click.option("--site", metavar="NAME", help="Include this site profile's folder of templates (default: the user's default site; --site none: none).")
 
 
@@ -40,7 +33,7 @@ def templates() -> None:
 @_site_option
 def list_templates(template_dirs: tuple[Path, ...], site: Optional[str]) -> None:
     """Every template name, the folder it resolves from, and whether it overrides a bundled one."""
-    from jobgen.template_search import resolve_all
+    from jobgen.script.template_search import resolve_all
 
     folders, found = resolve_all(template_dirs, _site_folder(site))
     click.echo("search path, first match wins:")
@@ -59,7 +52,7 @@ def list_templates(template_dirs: tuple[Path, ...], site: Optional[str]) -> None
 @_site_option
 def show_template(name: str, bundled: bool, template_dirs: tuple[Path, ...], site: Optional[str]) -> None:
     """Print the text of template NAME as a render would use it."""
-    from jobgen.template_search import resolve_all
+    from jobgen.script.template_search import resolve_all
 
     if name.startswith("bundled/"):
         name, bundled = name[len("bundled/"):], True
@@ -72,7 +65,7 @@ def show_template(name: str, bundled: bool, template_dirs: tuple[Path, ...], sit
         if folder is None:
             raise JobgenError(f"'{name}' is not a bundled template: it comes from {found[name][0].origin} only")
     path = folder.path / name
-    from jobgen.textfile import file_not_utf8_message
+    from jobgen.job.textfile import file_not_utf8_message
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -83,6 +76,6 @@ def show_template(name: str, bundled: bool, template_dirs: tuple[Path, ...], sit
 
 
 def _site_folder(site: Optional[str]) -> Optional[Path]:
-    from jobgen.sites import chosen_site, load_site
+    from jobgen.job.sites import chosen_site, load_site
 
     return load_site(chosen_site(site)).template_dir

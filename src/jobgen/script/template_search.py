@@ -35,7 +35,7 @@ class TemplateFolder:
 
 
 def user_folder() -> Path:
-    from jobgen.sites import user_config_dir
+    from jobgen.job.sites import user_config_dir
 
     return user_config_dir() / "templates"
 
@@ -95,26 +95,6 @@ def plugin_scheduler_folders() -> list[TemplateFolder]:
     ]
 
 
-def check_override_templates(template_dirs: Sequence[Path] = (), site_folder: Optional[Path] = None) -> None:
-    """Every template in a folder before the bundled one parses (`validate`, which has no
-    scheduler to render for): a syntax error is `FILE:LINE: what is wrong`."""
-    folders = [folder for folder in search_path(template_dirs, site_folder, site_packages=False) if not folder.bundled]
-    if not folders:
-        return
-    import jinja2  # only with overrides to check: validate stays without Jinja otherwise
-
-    from jobgen.errors import JobgenError
-    from jobgen.render import template_environment
-    from jobgen.textfile import file_not_utf8_message
-
-    env = template_environment(folders)
-    for folder in folders:
-        for path in sorted(folder.path.rglob("*.j2")):
-            try:
-                source = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                raise JobgenError(f"{path}: {file_not_utf8_message(path)}") from None
-            try:
-                env.parse(source, path.relative_to(folder.path).as_posix(), str(path))
-            except jinja2.TemplateSyntaxError as error:
-                raise JobgenError(f"{path}:{error.lineno}: {error.message}") from None
+def override_folders(template_dirs: Sequence[Path] = (), site_folder: Optional[Path] = None) -> list[TemplateFolder]:
+    """The folders before the bundled one, installed site packages aside (what `validate` parses)."""
+    return [folder for folder in search_path(template_dirs, site_folder, site_packages=False) if not folder.bundled]

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.errors import JobgenError
-from jobgen.rundir import find_run
-from jobgen.runmetrics import metrics
-from jobgen.status import _epoch, goodput, pair_segments
+from jobgen.rundir.run import find_run
+from jobgen.rundir.metrics import metrics
+from jobgen.rundir.status import _epoch, goodput, pair_segments
 
 OUTCOME_COLOURS = {"completed": "tab:green", "preempted": "tab:orange", "time_limit": "tab:purple",
                    "failed": "tab:red", "running or lost": "tab:gray"}

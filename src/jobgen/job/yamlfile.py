@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from jobgen.errors import JobgenError
-from jobgen.textfile import not_utf8_message
+from jobgen.job.textfile import not_utf8_message
 
 # libyaml's loader where PyYAML has it: the same safe subset, faster on the CLI's start-up path.
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -22,7 +22,7 @@ import os
 from typing import Optional
 
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 
 CHECK_WHOLE_BYTES = 32 << 20
 CLOSEST_AMONG = 1000  # names in a folder compared for "did you mean"; a huge folder is not listed
@@ -47,8 +47,8 @@ def working_directory(job: Job) -> str:
 
 
 def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
-    from jobgen.train.data import check_conversations_head, load_conversations
-    from jobgen.train.errors import UserError
+    from jobgen.job.conversations import check_conversations_head, load_conversations
+    from jobgen.errors import UserError
 
     path = os.path.abspath(os.path.join(base, job.training.data))
     error, warning = _where_missing("training.data", path, "file")
@@ -75,8 +75,8 @@ def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
 
 
 def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
-    from jobgen.train.errors import UserError
-    from jobgen.train.modeling import HUB_NAME, check_model_reference
+    from jobgen.errors import UserError
+    from jobgen.job.model_reference import HUB_NAME, check_model_reference
 
     model = job.training.model
     path = os.path.abspath(os.path.join(base, model))

@@ -1,7 +1,7 @@
 """Users' files must be UTF-8 text: one that is not is named with its first bad byte, never a traceback.
 
-Shared by every reader of a file a user gives: the job file and site profile (jobgen.config),
-template overrides (jobgen.render) and conversation data (jobgen.train.data).
+Shared by every reader of a file a user gives: the job file and site profile (jobgen.job.layers),
+template overrides (jobgen.script.render) and conversation data (jobgen.train.data).
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
 """`jobgen submit`: render, lay out the run directory, hand the script to the scheduler, record it.
 
-Rendering stays a pure function (jobgen.render); this module only adds files and one call to the
+Rendering stays a pure function (jobgen.script.render); this module only adds files and one call to the
 scheduler. Every scheduler submits the rendered script itself, so --dry-run shows exactly what
 would be submitted, and RUN_DIR/submission.txt is that script.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from jobgen.config import ResolvedJob
+from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
 from jobgen.files import write_atomic
-from jobgen.render import job_yaml, render
-from jobgen.rundir import RunDir
+from jobgen.script.render import job_yaml, render
+from jobgen.rundir.progress import watch_process
+from jobgen.rundir.run import RunDir
 from jobgen.schedulers import get_scheduler
 
 
@@ -47,6 +49,8 @@ def submit(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
     write_atomic(planned.run.submission_text, planned.script)
     job_id = scheduler.submit(resolved.job, planned.script_path, planned.run.path)
     planned.run.record_submission(job_id, scheduler.name, script=str(planned.script_path))
+    if scheduler.runs_in_foreground:  # its output and the training's progress, until it ends
+        watch_process(scheduler.process, planned.run.path, sys.stderr)
     return job_id, planned
 
 

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jobgen import runfiles
+from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
-from jobgen.rundir import RunDir, find_run
+from jobgen.rundir.run import RunDir, find_run
 from jobgen.schedulers import get_scheduler
 
 
@@ -61,7 +61,7 @@ def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def attach_startups(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
     """Each segment's time from its trainer's start to its first new step, and where it went
     (imports, process group, ...: OUTPUT_DIR/startup.jsonl), where the trainer got that far."""
-    from jobgen.runmetrics import startups
+    from jobgen.rundir.metrics import startups
 
     found = {(str(entry.get("job_id")), entry.get("restart")): entry for entry in startups(run_path)}
     for segment in segments:

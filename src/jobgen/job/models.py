@@ -1,7 +1,7 @@
 """The typed job description: one source of truth for every scheduler, template and the trainer.
 
 Everything a user can write in a job file is a field here. Unknown keys are errors (with a
-suggestion, see `jobgen.config`), values are checked where they are declared, and derived values
+suggestion, see `jobgen.job.layers`), values are checked where they are declared, and derived values
 (world size, global batch, time limit in seconds) are computed once, here.
 """
 

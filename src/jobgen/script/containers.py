@@ -1,13 +1,13 @@
 """Which containers a job's launcher can start: the checks that need the scheduler and launcher.
 
-The fields are in jobgen.models.Container; the wrappers are written by the templates (the srun
+The fields are in jobgen.job.models.Container; the wrappers are written by the templates (the srun
 line in launchers.sh.j2 for pyxis, node.sh.j2's `container` block for Apptainer/Singularity).
 """
 
 from __future__ import annotations
 
 from jobgen.errors import JobgenError
-from jobgen.models import Job
+from jobgen.job.models import Job
 
 
 def check_container(job: Job, scheduler: str, launcher: str) -> None:

@@ -1,7 +1,8 @@
 """Building a Job from its layers: bundled defaults < site profile < job file < --set overrides.
 
-The bundled defaults are the models' own defaults; a site profile (`jobgen.sites`) gives the
-site's; the job file and `--set` overrides come last. The site's limits are checked on the result.
+The bundled defaults are the models' own defaults; a site profile (`jobgen.job.sites`) gives the
+site's; the job file and `--set` overrides come last. The site's limits are checked on the
+result by the caller, who knows what the scheduler calls a partition (`jobgen.job.sites.check_limits`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from jobgen.errors import JobgenError, describe_validation_error
-from jobgen.models import Job
-from jobgen.sites import SiteProfile, check_limits, load_site
-from jobgen.yamlfile import check_shape, parse_yaml
-from jobgen.yamlfile import read_yaml_mapping as _read_yaml
+from jobgen.job.models import Job
+from jobgen.job.sites import SiteProfile, load_site
+from jobgen.job.yamlfile import check_shape, parse_yaml
+from jobgen.job.yamlfile import read_yaml_mapping as _read_yaml
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,6 @@ def resolve_job(config: Path, site_name: Optional[str] = None, overrides: tuple[
         job = Job.model_validate(layered)
     except ValidationError as error:
         raise JobgenError(describe_validation_error(error, Job, str(config))) from None
-    check_limits(job, site, str(config))
     return ResolvedJob(job=job, site=site, warnings=job_warnings(job))
 
 

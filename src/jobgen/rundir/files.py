@@ -25,6 +25,9 @@ LOCAL_PID = "local.pid"  # a local run's job id and the process running its scri
 CONTINUATION_SCRIPT = "job.pbs"  # the copy a PBS job submits as its own continuation
 CONTINUATION_ERRORS = "qsub.err"  # what qsub said when it refused that continuation
 HOSTFILE_PREFIX = "hosts."  # mpiexec's hostfile, one per job id
+# In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
+METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
+STARTUP_FILE = "startup.jsonl"  # where each segment's time to its first new step went
 
 
 def script(scheduler: str) -> str:

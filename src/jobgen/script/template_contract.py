@@ -10,7 +10,7 @@ from __future__ import annotations
 
 # What the variables are (every template sees all of them; values print shell-quoted unless |raw).
 VARIABLES: dict[str, str] = {
-    "job": "the resolved job (jobgen.models.Job): job.resources, job.launch, job.environment, job.container, ...",
+    "job": "the resolved job (jobgen.job.models.Job): job.resources, job.launch, job.environment, job.container, ...",
     "directives": "the scheduler's header lines (#SBATCH, #PBS), built and checked by jobgen: they print as they are",
     "version": "jobgen's version",
     "scheduler": "the scheduler's name: slurm, pbs, torque, local, or a plug-in's",
@@ -19,7 +19,7 @@ VARIABLES: dict[str, str] = {
     "launchers": "the launcher macros (launchers.sh.j2): launchers[launcher](job) starts node.sh on every node",
     "warnings": "one line each: what the job asks that runs but is probably not meant",
     "nccl": "NCCL variables of the job's network preset, NAME -> value (empty on CPUs)",
-    "files": "the run directory's file names (jobgen.runfiles), e.g. files.stop_requested",
+    "files": "the run directory's file names (jobgen.rundir.files), e.g. files.stop_requested",
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
 }
 

@@ -9,7 +9,7 @@
                                 JOBID-nodeK.out (node K: torchrun, rank 0), JOBID-rankR.out
     RUN_DIR/output/             the trainer's checkpoints, metrics and final weights
 
-The names are jobgen.runfiles'. An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen)
+The names are jobgen.rundir.files'. An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen)
 maps job ids to run directories.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen import runfiles
+from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
 
 

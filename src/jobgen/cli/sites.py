@@ -29,7 +29,7 @@ def sites() -> None:
 @sites.command("list")
 def list_sites() -> None:
     """Every profile on the site path: name, scheduler, file, and the files of the same name it shadows."""
-    from jobgen.sites import all_sites, chosen_site, read_profile, site_folders
+    from jobgen.job.sites import all_sites, chosen_site, read_profile, site_folders
 
     default = chosen_site(None)
     click.echo(f"  {'NAME':<24} {'SCHEDULER':<10} FILE")
@@ -44,7 +44,7 @@ def list_sites() -> None:
         for other, other_path in shadowed:
             click.echo(f"  {'':<24} {'':<10} shadows {other_path} ({other.origin})")
     if default:
-        from jobgen.sites import user_config_file
+        from jobgen.job.sites import user_config_file
 
         click.echo(f"* the default site (`site: {default}` in {user_config_file()})", err=True)
     click.echo("searched: " + ", ".join(f"{f.path} ({f.origin})" for f in site_folders()), err=True)
@@ -56,7 +56,7 @@ def show(name: Optional[str]) -> None:
     """The profile NAME as jobgen reads it, and the file it came from (the default site without NAME)."""
     import yaml
 
-    from jobgen.sites import find_site, load_site
+    from jobgen.job.sites import find_site, load_site
 
     name = _site_or_default(name)
     site = load_site(name)
@@ -91,7 +91,7 @@ def check(name: Optional[str], scheduler: Optional[str]) -> None:
     """
     from jobgen.resources import bundled_path
     from jobgen.schedulers import get_scheduler
-    from jobgen.sites import load_site
+    from jobgen.job.sites import load_site
 
     name = _site_or_default(name)
     site = load_site(name)
@@ -123,7 +123,7 @@ def check(name: Optional[str], scheduler: Optional[str]) -> None:
 
 
 def _site_or_default(name: Optional[str]) -> str:
-    from jobgen.sites import chosen_site, user_config_file
+    from jobgen.job.sites import chosen_site, user_config_file
 
     name = name or chosen_site(None)
     if not name:
@@ -145,11 +145,11 @@ class _ScriptChecker:
         self.pyxis_jobs: list[Path] = []
 
     def render(self, job: Path, site: str, scheduler: str, folder: Path) -> None:
-        from jobgen.config import resolve_job
-        from jobgen.render import NODE_SCRIPT_END, render
+        from jobgen.cli.options import resolve
+        from jobgen.script.render import NODE_SCRIPT_END, render
 
         try:
-            resolved = resolve_job(job, site)
+            resolved = resolve(job, site, (), echo_warnings=False)
             script = render(resolved, scheduler)
         except JobgenError as error:
             self._problem(job, *str(error).splitlines())
@@ -183,7 +183,7 @@ class _ScriptChecker:
             self._problem(job, "sbatch --test-only: no answer within 60 s")
             return
         if result.returncode:
-            from jobgen.commands import scheduler_message
+            from jobgen.schedulers.commands import scheduler_message
 
             self._problem(job, f"sbatch --test-only: {scheduler_message(result.stderr or result.stdout)}")
 

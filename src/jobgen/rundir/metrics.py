@@ -9,13 +9,13 @@ from typing import Any
 
 import yaml
 
-from jobgen.train.metrics import METRICS_FILE, STARTUP_FILE
+from jobgen.rundir.files import JOB_FILE, METRICS_FILE, STARTUP_FILE
 
 
 def output_dir(run_path: Path) -> Path:
     """training.output_dir of the run's resolved job, relative to the run directory."""
     try:
-        job = yaml.safe_load((run_path / "job.yaml").read_text()) or {}
+        job = yaml.safe_load((run_path / JOB_FILE).read_text()) or {}
         folder = (job.get("training") or {}).get("output_dir") or "output"
     except (OSError, yaml.YAMLError, AttributeError):
         folder = "output"
@@ -67,3 +67,21 @@ class JsonlTail:
             except json.JSONDecodeError:
                 continue
         return records
+
+
+def describe_progress(record: dict) -> str:
+    """One line a person reads: 'step 12/40  loss 2.3456  1,234 tokens/s  0:28 left'."""
+    parts = [f"step {record['step']}/{record['total_steps']}" if record.get("total_steps") else f"step {record['step']}"]
+    if isinstance(record.get("loss"), (int, float)):
+        parts.append(f"loss {record['loss']:.4f}")
+    if isinstance(record.get("tokens_per_s"), (int, float)):
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if isinstance(record.get("seconds_left"), (int, float)):
+        parts.append(f"{format_duration(record['seconds_left'])} left")
+    return "  ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

@@ -17,15 +17,15 @@ import jinja2.runtime
 import yaml
 
 from jobgen import __version__
-from jobgen.config import ResolvedJob
+from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
-from jobgen.containers import check_container
-from jobgen.models import NETWORK_PRESETS, Job
+from jobgen.script.containers import check_container
+from jobgen.job.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
-from jobgen.runfiles import TEMPLATE_FILES
-from jobgen.schedulers import get_scheduler
-from jobgen.template_search import BUNDLED, TemplateFolder, search_path
-from jobgen.textfile import file_not_utf8_message
+from jobgen.rundir.files import TEMPLATE_FILES
+from jobgen.schedulers import get_scheduler, refuse_unknown_directives
+from jobgen.script.template_search import BUNDLED, TemplateFolder, search_path
+from jobgen.job.textfile import file_not_utf8_message
 
 JOB_YAML_END = "JOBGEN_JOB_YAML"
 NODE_SCRIPT_END = "JOBGEN_NODE_SCRIPT"
@@ -118,6 +118,22 @@ def _bytecode_cache() -> Optional[jinja2.BytecodeCache]:
         return None  # no usable temporary directory: compile every time
 
 
+def check_templates(folders: Sequence[TemplateFolder]) -> None:
+    """Every template in `folders` parses (`validate`, which has no scheduler to render for):
+    a syntax error is `FILE:LINE: what is wrong`."""
+    env = template_environment(folders)
+    for folder in folders:
+        for path in sorted(folder.path.rglob("*.j2")):
+            try:
+                source = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise JobgenError(f"{path}: {file_not_utf8_message(path)}") from None
+            try:
+                env.parse(source, path.relative_to(folder.path).as_posix(), str(path))
+            except jinja2.TemplateSyntaxError as error:
+                raise JobgenError(f"{path}:{error.lineno}: {error.message}") from None
+
+
 def job_yaml(job: Job) -> str:
     """The resolved job as the trainer reads it: every layer applied, defaults spelled out."""
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -130,6 +146,8 @@ def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
     scheduler = get_scheduler(scheduler_name)
     launcher = scheduler.launcher(job)
     check_container(job, scheduler.name, launcher)
+    directives = scheduler.directives(job)
+    refuse_unknown_directives(job, scheduler)
     folders = search_path(template_dirs, resolved.site.template_dir, site_packages=bool(resolved.site.name))
     # A plug-in scheduler's own template: after every override, before the bundled templates.
     folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
@@ -138,9 +156,9 @@ def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
         "job": job,
         "version": __version__,
         **scheduler.template_variables(job),  # scheduler, scheduler_env, and what a scheduler adds
-        "files": TEMPLATE_FILES,  # the run directory's file names (jobgen.runfiles)
+        "files": TEMPLATE_FILES,  # the run directory's file names (jobgen.rundir.files)
         "site": resolved.site.name,
-        "directives": [Raw(line) for line in scheduler.directives(job)],
+        "directives": [Raw(line) for line in directives],
         "launcher": launcher,
         "nccl": nccl_variables(job),
         "job_yaml": Raw(job_yaml(job)),

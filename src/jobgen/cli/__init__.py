@@ -1,0 +1,15 @@
+"""The `jobgen` command line: one module per command group, each thin (parse, call, print).
+
+    main.py       the `jobgen` group: one line per error, the start-up costs skipped
+    options.py    the options every job command shares, and resolving a job file with them
+    job.py        render, validate, submit, schema
+    runs.py       status, logs, cancel, plot
+    sites.py      jobgen sites list|show|check
+    templates.py  jobgen templates list|show
+
+May import every part below it; imports nothing heavy at start-up (no torch on a login node).
+"""
+
+from jobgen.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,44 @@
+"""The `jobgen` group. Imports nothing heavy at start-up: no torch on a login node."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from jobgen.cli import job, runs
+from jobgen.cli.sites import sites
+from jobgen.cli.startup import skip_startup_costs
+from jobgen.cli.templates import templates
+from jobgen.errors import JobgenError
+
+
+class JobgenGroup(click.Group):
+    """Turns a JobgenError anywhere below into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: click.Context):
+        skip_startup_costs()
+        try:
+            return super().invoke(ctx)
+        except JobgenError as error:
+            for line in str(error).splitlines():
+                click.echo(f"jobgen: error: {line}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=JobgenGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="jobgen")
+def main() -> None:
+    """Render, submit and follow multi-node fine-tuning jobs on Slurm, PBS Pro and Torque.
+
+    \b
+    Layers, lowest first: bundled defaults < site profile (--site) < job file < --set.
+    Start with:  jobgen render --scheduler slurm configs/examples/llama-lora-2node.yaml
+    """
+
+
+for command in (job.render, job.validate, job.schema, job.submit, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
+    main.add_command(command)
+
+if __name__ == "__main__":
+    main()

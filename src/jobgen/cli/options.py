@@ -1,0 +1,108 @@
+"""What the `jobgen` commands share: the options for a job file, and turning one into a resolved job.
+
+Imports only click at start-up; everything else when a command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from jobgen.errors import JobgenError
+
+
+class SchedulerName(click.ParamType):
+    """--scheduler: a bundled scheduler or an installed plug-in's. Installed plug-ins are looked
+    up only for a name that is not bundled, or for --help: a render does not pay for the scan."""
+
+    name = "scheduler"
+
+    def convert(self, value, param, ctx):
+        from jobgen.schedulers import BUNDLED, scheduler_names
+
+        if value in BUNDLED:
+            return value
+        names = scheduler_names()
+        if value not in names:
+            self.fail(f"{value!r} is not one of {', '.join(map(repr, names))} (installed plug-ins included)", param, ctx)
+        return value
+
+    def get_metavar(self, param, ctx=None) -> str:
+        from jobgen.schedulers import scheduler_names
+
+        return f"[{'|'.join(scheduler_names())}]"
+
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+
+        from jobgen.schedulers import scheduler_names
+
+        return [CompletionItem(name) for name in scheduler_names() if name.startswith(incomplete)]
+
+
+config_argument = click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+site_option = click.option(
+    "--site", metavar="NAME", help="Site profile: a name on the site path, or a .yaml file; the default is `site:` in "
+    "$XDG_CONFIG_HOME/jobgen/config.yaml, and `--site none` uses none (see `jobgen sites list`)."
+)
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set resources.nodes=4 (repeatable)."
+)
+scheduler_option = click.option(
+    "--scheduler", "-s", type=SchedulerName(), help="Which scheduler the script is for; the site profile's by default."
+)
+
+
+template_dir_option = click.option(
+    "--template-dir",
+    "template_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="A folder of templates looked up first, before $JOBGEN_TEMPLATE_PATH and the site's (repeatable).",
+)
+
+
+def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):
+    """The job with every layer applied, checked against its site profile: the profile's
+    scheduler exists, and the job keeps within the limits of its partition (or queue)."""
+    from jobgen.job.layers import resolve_job
+    from jobgen.job.sites import check_limits, chosen_site
+    from jobgen.schedulers import get_scheduler
+
+    resolved = resolve_job(config, chosen_site(site), overrides)
+    word = "partition"
+    if resolved.site.scheduler:
+        try:
+            word = get_scheduler(resolved.site.scheduler).partition_word
+        except JobgenError as error:
+            raise JobgenError(f"{resolved.site.path}: 'scheduler': {error}") from None
+    check_limits(resolved.job, resolved.site, str(config), word)
+    if echo_warnings:
+        for warning in resolved.warnings:
+            click.echo(f"jobgen: warning: {warning}", err=True)
+    return resolved
+
+
+def scheduler_for(option: Optional[str], resolved) -> str:
+    """--scheduler, else the site profile's."""
+    chosen = option or resolved.site.scheduler
+    if chosen:
+        return chosen
+    from jobgen.schedulers import scheduler_names
+    from jobgen.job.sites import user_config_file
+
+    raise JobgenError(
+        f"no scheduler: give --scheduler ({'|'.join(scheduler_names())}), or a site profile that sets "
+        f"'scheduler:' (--site NAME, or `site: NAME` in {user_config_file()})"
+    )
+
+
+def check_files(job) -> None:
+    """validate and submit, not render: a script may be rendered for a machine this is not."""
+    from jobgen.job.preflight import check_job_files
+
+    for warning in check_job_files(job):
+        click.echo(f"jobgen: warning: {warning}", err=True)

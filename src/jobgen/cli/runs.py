@@ -1,0 +1,79 @@
+"""`jobgen status|logs|cancel|plot`: a run read back from its run directory and the scheduler."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from jobgen.errors import JobgenError
+
+target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default=".")
+
+
+@click.command()
+@target_argument
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+def status(target: str, as_json: bool) -> None:
+    """Where the job stands: the scheduler's state now, every segment so far, and the goodput."""
+    from jobgen.rundir.status import collect, format_table
+
+    report = collect(target)
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+
+
+@click.command()
+@target_argument
+def cancel(target: str) -> None:
+    """Cancel the job's latest submission (scancel or qdel)."""
+    from jobgen.rundir.run import find_run
+    from jobgen.schedulers import get_scheduler
+
+    latest = find_run(target).latest()
+    get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
+    click.echo(f"jobgen: cancelled job {latest['job_id']}", err=True)
+
+
+@click.command()
+@target_argument
+@click.option("--node", type=int, metavar="K", help="The log of node K (0 is the master) instead of the batch log.")
+@click.option("--rank", type=int, metavar="R", help="Everything rank R printed (the node logs show rank 0's only).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, with the training's progress, until the job ends.")
+def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) -> None:
+    """Print the job's batch log, or one node's or one rank's log.
+
+    \b
+    All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
+    JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
+    """
+    from jobgen.rundir.status import log_path
+
+    if node is not None and rank is not None:
+        raise JobgenError("give --node or --rank, not both")
+    if follow:  # with the trainer's progress: one updating line on a terminal (jobgen.rundir.progress)
+        from jobgen.rundir.progress import follow_log
+
+        return follow_log(target, node, rank, sys.stdout)
+    path = log_path(target, node, rank)
+    try:
+        click.echo(path.read_text(errors="replace"), nl=False)
+    except FileNotFoundError:
+        raise JobgenError(f"no log yet at {path}: the job may still be pending") from None
+
+
+@click.command()
+@target_argument
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
+@click.option("--data", "data_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write the plotted data here, as JSON.")
+def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None:
+    """Draw the run: loss and tokens/s over the steps with each segment's start marked, and under
+    them the segments (how each ended) with the goodput. Needs matplotlib: pip install 'jobgen[plot]'."""
+    from jobgen.rundir.plot import plot as draw_run
+
+    path, data = draw_run(target, output)
+    if data_file is not None:
+        data_file.write_text(json.dumps(data, indent=2) + "\n")
+    click.echo(f"jobgen: wrote {path}", err=True)

@@ -1,0 +1,13 @@
+"""The job description: everything a user writes, read and checked before anything is rendered.
+
+    models.py           the typed job (pydantic): every field a job file may hold
+    layers.py           bundled defaults < site profile < job file < --set overrides
+    sites.py            site profiles: where they are found, their defaults and limits
+    yamlfile.py         reading a user's YAML file; textfile.py: a file that is not UTF-8
+    conversations.py    reading and checking the training data (the trainer reads it with this)
+    model_reference.py  training.model: a local folder or a hub name
+    preflight.py        what the login node can check of the job's files before the queue
+
+Imports only the shared modules below the parts (jobgen.errors, files, resources, plugins);
+nothing here imports torch.
+"""

@@ -1,0 +1,14 @@
+"""The run directory: one job on disk, written by its submission, its script and its trainer,
+and read back by every command that explains it.
+
+    files.py       every file name in a run directory, spelled once (templates get them too)
+    run.py         RunDir: the job file, the submissions and segments records; find_run
+    submission.py  render, lay out the run directory, hand the script to the scheduler
+    status.py      `jobgen status` and the logs' paths: segments, goodput, the scheduler's word
+    metrics.py     the trainer's metrics and start-up records, read without torch
+    progress.py    live progress: `jobgen logs -f` and a local run's terminal
+    plot.py        `jobgen plot`
+
+May import jobgen.job, jobgen.schedulers and jobgen.script; nothing above. The trainer writes
+into the run directory with these names (jobgen.train imports files.py and metrics.py).
+"""
