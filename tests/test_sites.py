@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import EXAMPLES, REPO, install_as_pip_does, jobgen
+from tests.helpers import EXAMPLES, REPO, install_as_pip_does, jobgen, node_script_of, shell_findings
 
 JOB = {
     "name": "jobgen-test-site",
@@ -261,3 +261,14 @@ def test_the_site_package_of_docs_admins_md_works_as_written(tmp_path: Path) -> 
     assert "#BSUB -q debug" in script and "for lsf (site profile mycluster)" in script
     assert 'mapfile -t JOBGEN_HOSTS < <(awk \'!seen[$0]++\' "$LSB_DJOB_HOSTFILE")' in script
     assert "source /opt/mycluster/venvs/jobgen/bin/activate" in script  # the package's node.sh.j2 override
+
+    # The Grid Engine plug-in beside it, written on paper: only its module, its template and one
+    # entry point, and the script it renders is one bash and shellcheck accept.
+    sge = jobgen("render", "--site", "mycluster", "-s", "sge", str(EXAMPLES[0]), env=env)
+    assert sge.returncode == 0, sge.stderr
+    assert "#$ -pe one-per-host 2" in sge.stdout and "#$ -q debug" in sge.stdout
+    assert 'mapfile -t JOBGEN_HOSTS < <(awk \'{print $1}\' "$PE_HOSTFILE")' in sge.stdout
+    assert "\nexit 99\n" in sge.stdout
+    (tmp_path / "job.sh").write_text(sge.stdout)
+    (tmp_path / "node.sh").write_text(node_script_of(sge.stdout))
+    assert shell_findings(tmp_path / "job.sh", tmp_path / "node.sh") == ""
