@@ -49,7 +49,7 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
     All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
     JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
     """
-    from jobgen.rundir.status import log_path
+    from jobgen.rundir.logs import log_path
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
@@ -37,6 +37,19 @@ class RunDir:
     @property
     def job_file(self) -> Path:
         return self.path / runfiles.JOB_FILE
+
+    def settings(self) -> dict[str, Any]:
+        """The resolved job as plain data, as the last submission wrote it; {} where it is
+        missing or unreadable (the other records still explain the run)."""
+        import yaml
+
+        from jobgen.rundir.metrics import SAFE_LOADER
+
+        try:
+            found = yaml.load(self.job_file.read_text(), Loader=SAFE_LOADER)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def script(self, scheduler: str) -> Path:
         return self.path / runfiles.script(scheduler)
@@ -70,14 +83,20 @@ class RunDir:
 
 def find_run(target: str) -> RunDir:
     """A run directory given as a path, or the one a job id was submitted from."""
+    return find_target(target)[0]
+
+
+def find_target(target: str) -> tuple[RunDir, Optional[str]]:
+    """The run directory `target` names, and the job id when it names a job rather than the
+    directory: a run directory holds every job submitted into it, and the id says which."""
     path = Path(target)
     # logs/ is the first thing a batch script makes: a job that stopped before its first
     # segment (wrong node count, say) has only its log to show.
     if any((path / name).exists() for name in (runfiles.SUBMISSIONS, runfiles.SEGMENTS, runfiles.LOGS)):
-        return RunDir(path.resolve())
+        return RunDir(path.resolve()), None
     for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
         if entry.get("job_id") == target:
-            return RunDir(Path(entry["run_dir"]))
+            return RunDir(Path(entry["run_dir"])), target
     raise JobgenError(f"'{target}' is neither a run directory nor a job id submitted with `jobgen submit`")
 
 

@@ -1,4 +1,4 @@
-"""What `jobgen status` and `jobgen logs` read: the run directory's records and the scheduler's word."""
+"""What `jobgen status` reads: the run directory's records and the scheduler's word (`jobgen logs`' paths: jobgen.rundir.logs)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
 from jobgen.rundir.run import RunDir, find_run
 from jobgen.schedulers import get_scheduler
@@ -109,31 +108,6 @@ def format_table(report: dict[str, Any]) -> str:
     if report["goodput"] is not None:
         lines.append(f"\ngoodput {report['goodput']:.1%} (training time / time the finished segments held their nodes)")
     return "\n".join(lines)
-
-
-def log_path(target: str, node: Optional[int], rank: Optional[int] = None) -> Path:
-    """The batch log, or node K's: the script and each node write their own into RUN_DIR/logs on
-    every scheduler and launcher, named by the job id the script ran as (a PBS continuation runs
-    under a new id; a run submitted by hand has only the script's own records)."""
-    run = find_run(target)
-    starts = [event for event in run.segments() if event.get("event") == "start"]
-    if starts:
-        job_id = starts[-1]["job_id"]
-    elif run.submissions():
-        job_id = run.latest()["job_id"]
-    else:  # submitted by hand and stopped before its first segment: its newest batch log
-        job_id = _newest_batch_log_job_id(run)
-    if rank is not None:
-        return run.path / runfiles.rank_log(job_id, rank)
-    return run.path / (runfiles.node_log(job_id, node) if node is not None else runfiles.batch_log(job_id))
-
-
-def _newest_batch_log_job_id(run: RunDir) -> str:
-    found = [(p, runfiles.batch_log_job_id(p.name)) for p in run.logs.glob("*")]
-    found = [(p, job_id) for p, job_id in found if job_id]
-    if not found:
-        raise JobgenError(f"{run.path} has no log yet")
-    return max(found, key=lambda item: item[0].stat().st_mtime)[1]
 
 
 def foreground_exit_status(run: RunDir) -> int:

@@ -1,0 +1,108 @@
+"""What `jobgen logs` makes of a run directory, read back from records laid out as the batch
+script and `jobgen submit` write them (no job runs here: test_pbs_scripts.py, test_launchers.py
+and test_slurm_submit.py check the logs of real runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import jobgen
+
+
+def write_run(run_dir: Path, state: Path, jobs: list[dict], *, nodes: int = 2, procs: int = 2,
+              entrypoint: str = "jobgen-train", method: str = "lora", name: str = "demo") -> Path:
+    """A run directory with one submission per job in `jobs` (each: id, and its segments as
+    (started_at, ended_at or None, outcome, first_step, last_step, restart)), recorded in the
+    index under `state` as `jobgen submit` does, and a batch, node and rank log of each job."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    job = {"name": name, "resources": {"nodes": nodes, "gpus_per_node": 0},
+           "launch": {"procs_per_node": procs, "entrypoint": entrypoint},
+           "training": {"method": method, "output_dir": "output"}}
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
+    for entry in jobs:
+        job_id = entry["id"]
+        append(run_dir / "submissions.jsonl", {"job_id": job_id, "scheduler": "local", "submitted_at": "2026-01-01T00:00:00Z"})
+        append(state / "jobgen" / "index.jsonl", {"job_id": job_id, "scheduler": "local", "run_dir": str(run_dir)})
+        for started, ended, outcome, first, last, restart in entry.get("segments", []):
+            common = {"job_id": job_id, "restart": restart, "started_at": started}
+            append(run_dir / "segments.jsonl", {"event": "start", **common, "at": started, "first_step": None,
+                                                 "last_step": None, "outcome": "", "train_seconds": None})
+            if ended:
+                append(run_dir / "segments.jsonl", {"event": "end", **common, "at": ended, "first_step": first,
+                                                     "last_step": last, "outcome": outcome, "train_seconds": 30})
+        (run_dir / "logs" / f"{job_id}.out").write_text(f"batch log of {job_id}\n")
+        for k in range(nodes):
+            (run_dir / "logs" / f"{job_id}-node{k}.out").write_text(f"node {k} of {job_id}\n")
+        (run_dir / "logs" / f"{job_id}-rank1.out").write_text(f"rank 1 of {job_id}\n")
+    return run_dir
+
+
+def append(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def env(state: Path) -> dict[str, str]:
+    return {"XDG_STATE_HOME": str(state)}
+
+
+@pytest.fixture
+def two_jobs(tmp_path: Path, state: Path) -> Path:
+    """One run directory, submitted twice: local-1 ran (and was preempted), then local-2."""
+    return write_run(tmp_path / "runs" / "demo", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "preempted", 0, 3, 0)]},
+        {"id": "local-2", "segments": [("2026-01-01T01:00:00Z", "2026-01-01T01:01:00Z", "completed", 3, 6, 0)]},
+    ])
+
+
+# --- jobgen logs ----------------------------------------------------------------------------------
+
+
+def test_logs_of_a_job_id_print_that_jobs_logs_not_the_newest(two_jobs: Path, env: dict) -> None:
+    assert jobgen("logs", "local-1", env=env).stdout == "batch log of local-1\n"
+    assert jobgen("logs", "local-1", "--node", "1", env=env).stdout == "node 1 of local-1\n"
+    assert jobgen("logs", "local-1", "--rank", "1", env=env).stdout == "rank 1 of local-1\n"
+    # The newest job by its id, or by its run directory, as before.
+    assert jobgen("logs", "local-2", env=env).stdout == "batch log of local-2\n"
+    assert jobgen("logs", str(two_jobs), "--node", "0", env=env).stdout == "node 0 of local-2\n"
+
+
+def test_logs_follow_of_an_older_job_shows_its_log_and_ends(two_jobs: Path, env: dict) -> None:
+    # Its segment ended without a final outcome (preempted), but a later submission's job followed it.
+    result = subprocess.run([sys.executable, "-m", "jobgen.cli", "logs", "-f", "local-1"], env={**os.environ, **env},
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "batch log of local-1\n"
+
+
+def test_logs_of_a_node_or_rank_the_job_does_not_have_say_which_it_has(two_jobs: Path, env: dict) -> None:
+    result = jobgen("logs", str(two_jobs), "--node", "5", env=env)
+    assert result.returncode == 2
+    assert result.stderr == "jobgen: error: job local-2 has nodes 0-1 (resources.nodes): there is no node 5\n"
+    result = jobgen("logs", "local-1", "--rank", "4", env=env)
+    assert result.stderr == ("jobgen: error: job local-1 has ranks 0-3 (world size 4: 2 node(s) x 2 process(es)): "
+                             "there is no rank 4\n")
+    # A node the job has, whose log is not there (yet), is still the job's to write.
+    (two_jobs / "logs" / "local-2-node1.out").unlink()
+    result = jobgen("logs", str(two_jobs), "--node", "1", env=env)
+    assert result.returncode == 2 and "the job may still be pending" in result.stderr
+
+
+def test_a_one_node_job_has_only_node_0(tmp_path: Path, state: Path, env: dict) -> None:
+    run_dir = write_run(tmp_path / "one", state, [{"id": "local-9", "segments": []}], nodes=1, procs=1)
+    result = jobgen("logs", str(run_dir), "--node", "1", env=env)
+    assert result.stderr == "jobgen: error: job local-9 has only node 0 (resources.nodes): there is no node 1\n"
