@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -117,4 +118,4 @@ def foreground_exit_status(run: RunDir) -> int:
 
 
 def _epoch(stamp: str) -> float:
-    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    return calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))  # the stamp is UTC
