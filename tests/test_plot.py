@@ -32,6 +32,11 @@ def test_plot_draws_every_segment_with_its_end_and_the_goodput(stopped_and_resum
     first, second = data["segments"]
     assert first["steps"][0] == 1 and second["steps"][0] == second["first_step"] + 1 and second["steps"][-1] == STEPS
     assert all(isinstance(v, float) for s in data["segments"] for v in s["loss"] + s["tokens_per_s"])
+    # What `jobgen status` says beside the segments: the trainer's line on each (the newest report is
+    # kept), the last loss, and where the LoRA adapter is.
+    assert status["segments"][-1]["message"] == f"completed {STEPS} steps; final model in {run_dir / 'output' / 'final'}"
+    assert (status["step"], status["last_loss"]) == (STEPS, second["loss"][-1])
+    assert status["final_model"] == {"path": str(run_dir / "output" / "final"), "kind": "adapter", "method": "lora"}
 
 
 def test_plot_gives_each_record_to_its_segment_when_the_next_starts_in_the_same_second(stopped_and_resumed_run, tmp_path) -> None:

@@ -1,6 +1,6 @@
-"""What `jobgen logs` makes of a run directory, read back from records laid out as the batch
-script and `jobgen submit` write them (no job runs here: test_pbs_scripts.py, test_launchers.py
-and test_slurm_submit.py check the logs of real runs)."""
+"""What `jobgen logs` and `jobgen status` make of a run directory, read back from
+records laid out as the batch script, the trainer and `jobgen submit` write them (no job runs
+here: tests/test_plot.py, test_pbs_scripts.py and test_launchers.py check them on real runs)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ def append(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write(json.dumps(record) + "\n")
+
+
+def trainer_exit(run_dir: Path, reason: str, message: str, job_id: str, restart: int = 0) -> None:
+    """RUN_DIR/trainer-exit.json as jobgen.train.exit_report writes it."""
+    (run_dir / "trainer-exit.json").write_text(json.dumps({
+        "reason": reason, "signal": None, "first_step": 0, "last_step": 0, "checkpoint": None,
+        "started_at": "2026-01-01T00:00:10+00:00", "ended_at": "2026-01-01T00:00:50+00:00", "train_seconds": 30.0,
+        "message": message, "job_id": job_id, "restart": restart}, indent=2) + "\n")
 
 
 @pytest.fixture
@@ -106,3 +114,70 @@ def test_a_one_node_job_has_only_node_0(tmp_path: Path, state: Path, env: dict) 
     run_dir = write_run(tmp_path / "one", state, [{"id": "local-9", "segments": []}], nodes=1, procs=1)
     result = jobgen("logs", str(run_dir), "--node", "1", env=env)
     assert result.stderr == "jobgen: error: job local-9 has only node 0 (resources.nodes): there is no node 1\n"
+
+
+# --- jobgen status --------------------------------------------------------------------------------
+
+
+def test_status_says_why_a_segment_failed(tmp_path: Path, state: Path, env: dict) -> None:
+    run_dir = write_run(tmp_path / "runs" / "demo", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "preempted", 0, 3, 0),
+                                       ("2026-01-01T00:02:00Z", "2026-01-01T00:03:00Z", "failed", 3, 3, 1)]},
+    ])
+    why = "training.data: file 'data/chat.json' does not exist"
+    trainer_exit(run_dir, "failed", why, "local-1", restart=1)
+    report = json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)
+    assert [s["message"] for s in report["segments"]] == [None, why]
+    table = jobgen("status", str(run_dir), env=env).stdout
+    assert f"job local-1 restart 1 failed: {why}\n" in table
+    # No report of its own (the trainer was killed, or a later segment's replaced it): where to look.
+    trainer_exit(run_dir, "failed", why, "local-1", restart=0)
+    table = jobgen("status", str(run_dir), env=env).stdout
+    assert f"job local-1 restart 1 failed: the trainer's report is gone or was never written: see {run_dir}/logs/local-1.out" in table
+    assert json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)["segments"][0]["message"] == why
+
+
+def test_status_says_the_last_loss_and_where_the_final_adapter_is(two_jobs: Path, env: dict) -> None:
+    output = two_jobs / "output"
+    (output / "final").mkdir(parents=True)
+    records = [{"step": s, "total_steps": 6, "loss": 3.0 - s / 10, "job_id": "local-2", "restart": 0} for s in (4, 5, 6)]
+    (output / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 7, "lo')  # a line being written
+    trainer_exit(two_jobs, "completed", f"completed 6 steps; final model in {output / 'final'}", "local-2")
+    report = json.loads(jobgen("status", "--json", str(two_jobs), env=env).stdout)
+    assert (report["step"], report["total_steps"], report["last_loss"]) == (6, 6, 2.4)
+    assert report["final_model"] == {"path": str(output / "final"), "kind": "adapter", "method": "lora"}
+    assert report["segments"][-1]["message"] == f"completed 6 steps; final model in {output / 'final'}"
+    assert report["entrypoint"] == "jobgen-train" and report["probe"] is None and report["goodput"] is not None
+    table = jobgen("status", str(two_jobs), env=env).stdout
+    assert "last loss 2.4000 at step 6/6\n" in table
+    assert f"final adapter (lora): {output / 'final'}\n" in table
+    assert "failed" not in table
+
+
+def test_status_of_a_full_fine_tune_names_the_final_model_only_once_completed(tmp_path: Path, state: Path, env: dict) -> None:
+    run_dir = write_run(tmp_path / "full", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "completed", 0, 6, 0)]},
+    ], method="full")
+    (run_dir / "output" / "final").mkdir(parents=True)
+    assert json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)["final_model"]["kind"] == "model"
+    append(run_dir / "segments.jsonl", {"event": "start", "job_id": "local-1", "restart": 1,
+                                        "started_at": "2026-01-01T00:02:00Z", "at": "2026-01-01T00:02:00Z"})
+    assert json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)["final_model"] is None
+
+
+def test_status_of_a_probe_is_its_outcome_not_a_goodput(tmp_path: Path, state: Path, env: dict) -> None:
+    run_dir = write_run(tmp_path / "probe", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "completed", 0, 0, 0)]},
+    ], entrypoint="jobgen-probe")
+    trainer_exit(run_dir, "completed", "4 ranks reached each other", "local-1")
+    report = json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)
+    assert report["probe"] == {"outcome": "completed", "message": "4 ranks reached each other"}
+    assert report["goodput"] is None and report["final_model"] is None and report["step"] is None
+    table = jobgen("status", str(run_dir), env=env).stdout
+    assert "probe: 4 ranks reached each other" in table
+    assert "goodput" not in table and "steps" not in table and "first step" not in table
+    # One that failed says how, or where to look when it could not say.
+    trainer_exit(run_dir, "failed", "all_reduce gave 9.0, expected 10.0", "local-1")
+    assert "probe: all_reduce gave 9.0, expected 10.0" in jobgen("status", str(run_dir), env=env).stdout
+    (run_dir / "trainer-exit.json").unlink()
+    assert f"probe: the probe left no report: see {run_dir}/logs/local-1*.out" in jobgen("status", str(run_dir), env=env).stdout

@@ -18,7 +18,8 @@ target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default="."
 @target_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 def status(target: str, as_json: bool) -> None:
-    """Where the job stands: the scheduler's state now, every segment so far, and the goodput."""
+    """Where the job stands: the scheduler's state now, every segment so far (why one failed), the
+    last loss, the final model or adapter, and the goodput (a probe: its result)."""
     from jobgen.rundir.status import collect, format_table
 
     report = collect(target)

@@ -5,6 +5,8 @@ and read back by every command that explains it.
     run.py         RunDir: the job file, the submissions and segments records; find_run
     submission.py  render, lay out the run directory, hand the script to the scheduler
     status.py      `jobgen status`: segments, goodput, the scheduler's word
+    outcome.py     what a run came to: the trainer's line (why a segment failed), the last loss,
+                   the final model or adapter, a probe's result
     logs.py        which log `jobgen logs` reads: the named job's, its node's or rank's
     metrics.py     the trainer's metrics and start-up records, read without torch
     progress.py    live progress: `jobgen logs -f` and a local run's terminal

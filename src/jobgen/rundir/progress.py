@@ -21,7 +21,7 @@ from typing import Optional, TextIO
 
 from jobgen.rundir.metrics import JsonlTail, output_dir
 from jobgen.rundir.files import METRICS_FILE
-from jobgen.rundir.metrics import describe_progress
+from jobgen.rundir.metrics import describe_progress, last_record
 
 POLL_SECONDS = 0.5
 TRAINER_STEP_LINE = re.compile(r"\] INFO step \d+(/\d+)?  ")
@@ -120,7 +120,7 @@ def follow_log(target: str, node: Optional[int], rank: Optional[int], out: TextI
     display = Display(out, out.isatty())
     metrics_path = output_dir(run.path) / METRICS_FILE
     tail = JsonlTail(metrics_path, from_end=True)
-    if display.tty and (newest := _last_record(metrics_path)):
+    if display.tty and (newest := last_record(metrics_path)):
         display.progress(newest)
     show_progress = display.tty or (node is None and rank is None)
     path, offset = current_log_path(target, node, rank), 0
@@ -160,8 +160,3 @@ def _show_new_text(path: Path, offset: int, display: Display) -> int:
     data = data[: data.rfind(b"\n") + 1]  # whole lines, so no character is cut in two
     display.text(data.decode(errors="replace"))
     return offset + len(data)
-
-
-def _last_record(path: Path) -> Optional[dict]:
-    records = JsonlTail(path, from_end=False).new_records()
-    return records[-1] if records else None

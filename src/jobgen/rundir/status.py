@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.errors import JobgenError
+from jobgen.rundir.outcome import attach_messages, format_lines, summary
 from jobgen.rundir.run import RunDir, find_run
 from jobgen.schedulers import get_scheduler
 
@@ -17,13 +18,16 @@ def collect(target: str) -> dict[str, Any]:
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
     state = _scheduler_state(latest) if latest else None
-    segments = attach_startups(pair_segments(run.segments()), run.path)
+    segments = attach_messages(attach_startups(pair_segments(run.segments()), run.path), run)
+    # The last loss, the final model, and why a segment failed; a probe's result instead of a goodput.
+    outcome = summary(run, segments)
     return {
         "run_dir": str(run.path),
         "submissions": submissions,
         "scheduler_state": state,
         "segments": segments,
-        "goodput": goodput(segments),
+        "goodput": None if outcome["probe"] else goodput(segments),
+        **outcome,
     }
 
 
@@ -101,11 +105,15 @@ def format_table(report: dict[str, Any]) -> str:
             )
             for s in report["segments"]
         ]
+        if report.get("probe"):  # a probe trains nothing: no steps, no time to a first step
+            header, rows = header[:4] + header[5:6], [row[:4] + row[5:6] for row in rows]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     else:
         lines.append("no segment has started yet")
+    if outcome := format_lines(report):
+        lines.extend(["", *outcome])
     if report["goodput"] is not None:
         lines.append(f"\ngoodput {report['goodput']:.1%} (training time / time the finished segments held their nodes)")
     return "\n".join(lines)
