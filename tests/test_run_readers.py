@@ -1,4 +1,4 @@
-"""What `jobgen logs` and `jobgen status` make of a run directory, read back from
+"""What `jobgen logs`, `jobgen status` and `jobgen runs` make of a run directory, read back from
 records laid out as the batch script, the trainer and `jobgen submit` write them (no job runs
 here: tests/test_plot.py, test_pbs_scripts.py and test_launchers.py check them on real runs)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,64 @@ def test_status_of_a_probe_is_its_outcome_not_a_goodput(tmp_path: Path, state: P
     assert "probe: all_reduce gave 9.0, expected 10.0" in jobgen("status", str(run_dir), env=env).stdout
     (run_dir / "trainer-exit.json").unlink()
     assert f"probe: the probe left no report: see {run_dir}/logs/local-1*.out" in jobgen("status", str(run_dir), env=env).stdout
+
+
+# --- jobgen runs ----------------------------------------------------------------------------------
+
+
+def test_runs_lists_every_run_newest_first_and_a_removed_one_as_gone(tmp_path: Path, state: Path, env: dict) -> None:
+    done = write_run(tmp_path / "runs" / "done", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "completed", 0, 6, 0)]},
+    ], name="llama-lora")
+    (done / "output").mkdir()
+    (done / "output" / "metrics.jsonl").write_text(json.dumps({"step": 6, "total_steps": 6, "loss": 1.25}) + "\n")
+    removed = write_run(tmp_path / "runs" / "removed", state, [{"id": "local-2", "segments": []}], name="old")
+    shutil.rmtree(removed)
+    broken = write_run(tmp_path / "runs" / "broken", state, [
+        {"id": "local-3", "segments": [("2026-01-01T02:00:00Z", "2026-01-01T02:01:00Z", "failed", 0, 0, 0)]},
+    ], name="qwen-qlora")
+    # Submitted again: the run is listed once, where its latest submission puts it.
+    append(state / "jobgen" / "index.jsonl", {"job_id": "local-1", "scheduler": "local", "run_dir": str(done)})
+
+    found = json.loads(jobgen("runs", "--json", env=env).stdout)
+    assert [(r["name"], r["state"], r["step"], r["last_loss"], r["run_dir"]) for r in found] == [
+        ("llama-lora", "completed", 6, 1.25, str(done)),
+        ("qwen-qlora", "failed", None, None, str(broken)),
+        ("removed", "gone", None, None, str(removed)),
+    ]
+    table = jobgen("runs", env=env)
+    assert table.returncode == 0 and table.stderr == ""
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["name", "state", "step", "loss", "run", "directory"]
+    assert lines[1].split() == ["llama-lora", "completed", "6/6", "1.2500", str(done)]
+    assert lines[3].split() == ["removed", "gone", "-", "-", str(removed)]
+    assert jobgen("list", env=env).stdout == table.stdout
+
+
+def test_runs_before_any_submission_says_where_they_will_be_recorded(env: dict, state: Path) -> None:
+    result = jobgen("runs", env=env)
+    assert result.returncode == 0
+    assert result.stdout == f"no runs yet: each `jobgen submit` is recorded in {state / 'jobgen' / 'index.jsonl'}\n"
+    assert jobgen("runs", "--json", env=env).stdout == "[]\n"
+
+
+def test_runs_asks_the_scheduler_only_about_a_run_whose_records_have_not_ended(monkeypatch) -> None:
+    from jobgen.rundir import index
+
+    latest = {"job_id": "7", "scheduler": "slurm"}
+    ended = lambda outcome: {"job_id": "7", "restart": 0, "ended_at": "2026-01-01T00:01:00Z", "outcome": outcome}
+    still_open = {"job_id": "7", "restart": 0, "ended_at": None, "outcome": "running or lost"}
+    asked = []
+    for says, expected in [
+        (True, {"none": "pending", "open": "running", "preempted": "pending"}),  # queued, running, requeued
+        (False, {"none": "not started", "open": "running or lost", "preempted": "preempted"}),  # the scheduler is done with it
+        (None, {"none": "submitted", "open": "running or lost", "preempted": "preempted"}),  # no scheduler to ask here
+    ]:
+        monkeypatch.setattr(index, "_active", lambda entry, says=says: asked.append(entry["job_id"]) or says)
+        found = {"none": index.state(latest, []), "open": index.state(latest, [still_open]),
+                 "preempted": index.state(latest, [ended("preempted")])}
+        assert found == expected, says
+    asked.clear()
+    assert index.state(latest, [ended("preempted"), ended("completed")]) == "completed" and asked == []
+    # Another submission's segments are not the latest's: it has not started.
+    assert index.state(latest, [{**ended("completed"), "job_id": "6"}]) == "submitted"

@@ -1,4 +1,4 @@
-"""`jobgen status|logs|cancel|plot`: a run read back from its run directory and the scheduler."""
+"""`jobgen runs|status|logs|cancel|plot`: runs read back from their run directories and the scheduler."""
 
 from __future__ import annotations
 
@@ -12,6 +12,21 @@ import click
 from jobgen.errors import JobgenError
 
 target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default=".")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON array, for scripts.")
+def runs(as_json: bool) -> None:
+    """Every run you submitted, newest first: name, state, step, last loss, run directory (also: jobgen list).
+
+    \b
+    Each `jobgen submit` is recorded in $XDG_STATE_HOME/jobgen/index.jsonl (~/.local/state/jobgen);
+    a run directory removed since is shown as gone.
+    """
+    from jobgen.rundir.index import format_table, runs as find_runs
+
+    found = find_runs()
+    click.echo(json.dumps(found, indent=2) if as_json else format_table(found))
 
 
 @click.command()

@@ -30,6 +30,15 @@ def _state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "jobgen"
 
 
+def index_path() -> Path:
+    """The user's record of every `jobgen submit`: one line each, job id, scheduler, run directory."""
+    return _state_dir() / "index.jsonl"
+
+
+def index_entries() -> list[dict[str, Any]]:
+    return _read_jsonl(index_path())
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -77,7 +86,7 @@ class RunDir:
     def record_submission(self, job_id: str, scheduler: str, **extra: Any) -> dict[str, Any]:
         entry = {"job_id": job_id, "scheduler": scheduler, "submitted_at": _now(), **extra}
         _append_jsonl(self.path / runfiles.SUBMISSIONS, entry)
-        _append_jsonl(_state_dir() / "index.jsonl", {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
+        _append_jsonl(index_path(), {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
         return entry
 
 
@@ -94,7 +103,7 @@ def find_target(target: str) -> tuple[RunDir, Optional[str]]:
     # segment (wrong node count, say) has only its log to show.
     if any((path / name).exists() for name in (runfiles.SUBMISSIONS, runfiles.SEGMENTS, runfiles.LOGS)):
         return RunDir(path.resolve()), None
-    for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
+    for entry in reversed(index_entries()):
         if entry.get("job_id") == target:
             return RunDir(Path(entry["run_dir"])), target
     raise JobgenError(f"'{target}' is neither a run directory nor a job id submitted with `jobgen submit`")
