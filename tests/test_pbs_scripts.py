@@ -194,6 +194,9 @@ def test_fake_pbs_every_rank_is_wired_through_pbsdsh(tmp_path: Path, fake_pbs, f
     assert "jobgen: job 123.fakeserver (restart 0)" in jobgen("logs", str(run_dir)).stdout
     for node in (0, 1):
         assert f"node {node} of 2" in jobgen("logs", str(run_dir), "--node", str(node)).stdout
+    # `jobgen status` says what the probe found, not a training segment's steps and goodput.
+    status = jobgen("status", str(run_dir)).stdout
+    assert "probe: 4 ranks reached each other" in status and "goodput" not in status, status
     # The task started with a bare environment: what it has came through node.env.
     env_seen = json.loads((run_dir / "probe" / "rank-3.json").read_text())
     assert env_seen["JOBGEN_JOB_ID"] == "123.fakeserver"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import time
 
 from tests.helpers import jobgen
 from tests.local_run import STEPS
@@ -30,6 +32,34 @@ def test_plot_draws_every_segment_with_its_end_and_the_goodput(stopped_and_resum
     first, second = data["segments"]
     assert first["steps"][0] == 1 and second["steps"][0] == second["first_step"] + 1 and second["steps"][-1] == STEPS
     assert all(isinstance(v, float) for s in data["segments"] for v in s["loss"] + s["tokens_per_s"])
+    # What `jobgen status` says beside the segments: the trainer's line on each (the newest report is
+    # kept), the last loss, and where the LoRA adapter is.
+    assert status["segments"][-1]["message"] == f"completed {STEPS} steps; final model in {run_dir / 'output' / 'final'}"
+    assert (status["step"], status["last_loss"]) == (STEPS, second["loss"][-1])
+    assert status["final_model"] == {"path": str(run_dir / "output" / "final"), "kind": "adapter", "method": "lora"}
+
+
+def test_plot_gives_each_record_to_its_segment_when_the_next_starts_in_the_same_second(stopped_and_resumed_run, tmp_path) -> None:
+    """Segment starts are recorded to the whole second: the run again, with the second segment's
+    start moved into the second of the first segment's last record (as on a quiet machine)."""
+    run_dir = tmp_path / "stop-resume"
+    shutil.copytree(stopped_and_resumed_run.run_dir, run_dir, symlinks=True)
+    records = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    second_job = [e for e in events if e["event"] == "start"][1]["job_id"]
+    last_of_first = [r for r in records if r["time"] < min(r["time"] for r in records if r["job_id"] == second_job)][-1]
+    same_second = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(last_of_first["time"])))
+    for event in events:
+        if event["job_id"] == second_job:
+            event["started_at"] = same_second
+    (run_dir / "segments.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    result = jobgen("plot", str(run_dir), "-o", str(tmp_path / "run.png"), "--data", str(tmp_path / "run.json"))
+    assert result.returncode == 0, result.stderr
+    first, second = json.loads((tmp_path / "run.json").read_text())["segments"]
+    assert first["started_at"] < second["started_at"] == same_second
+    assert first["steps"] == list(range(1, first["last_step"] + 1)) and first["steps"][-1] == last_of_first["step"]
+    assert second["steps"] == list(range(second["first_step"] + 1, STEPS + 1))
 
 
 def test_plot_without_matplotlib_says_how_to_install_it_in_one_line(stopped_and_resumed_run, tmp_path) -> None:

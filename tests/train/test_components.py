@@ -103,13 +103,17 @@ def test_stop_request_only_records_the_first_signal():
             signal.signal(sig, handler)
 
 
-def test_exit_report_is_written_whole(tmp_path):
+def test_exit_report_is_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBGEN_JOB_ID", "123")
+    monkeypatch.setenv("JOBGEN_RESTART_COUNT", "2")
     report = ExitReport(reason="stopped", signal="SIGTERM", first_step=3, last_step=7, checkpoint="/c", message="m")
     path = write_exit_report(str(tmp_path), report)
     payload = json.loads(open(path).read())
     assert set(payload) == {"reason", "signal", "first_step", "last_step", "checkpoint", "started_at",
-                            "ended_at", "train_seconds", "message"}
+                            "ended_at", "train_seconds", "message", "job_id", "restart"}
     assert payload["reason"] == "stopped" and payload["ended_at"] >= payload["started_at"]
+    # The segment it reports on, as segments.jsonl names it, for `jobgen status`.
+    assert (payload["job_id"], payload["restart"]) == ("123", 2)
     assert os.listdir(tmp_path) == ["trainer-exit.json"]
 
 
@@ -131,15 +135,18 @@ def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny,
     assert len(prepared.conversations) == 48 and prepared.ds_config["train_batch_size"] == 2
 
 
-def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path):
+def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
     from jobgen.train.metrics import MetricsWriter
 
+    monkeypatch.setenv("JOBGEN_JOB_ID", "123")
+    monkeypatch.setenv("JOBGEN_RESTART_COUNT", "2")
     writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, total_steps=4, first_step=0)
     writer.write({"step": 1, "loss": 2.0, "lr": 0.1})
     writer.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert {k: record[k] for k in ("step", "loss", "lr", "total_steps")} == {"step": 1, "loss": 2.0, "lr": 0.1, "total_steps": 4}
     assert record["seconds_left"] >= 0  # three more steps at this segment's pace so far
+    assert (record["job_id"], record["restart"]) == ("123", 2)  # the segment that wrote it, for `jobgen plot`
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 

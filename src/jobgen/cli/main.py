@@ -16,6 +16,11 @@ from jobgen.errors import JobgenError
 class JobgenGroup(click.Group):
     """Turns a JobgenError anywhere below into one line on stderr and exit status 2."""
 
+    aliases = {"list": "runs"}  # other names a command answers to, left out of --help
+
+    def get_command(self, ctx: click.Context, cmd_name: str):
+        return super().get_command(ctx, self.aliases.get(cmd_name, cmd_name))
+
     def invoke(self, ctx: click.Context):
         skip_startup_costs()
         try:
@@ -37,7 +42,7 @@ def main() -> None:
     """
 
 
-for command in (job.render, job.validate, job.schema, job.submit, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
+for command in (job.render, job.validate, job.schema, job.submit, runs.runs, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`jobgen status|logs|cancel|plot`: a run read back from its run directory and the scheduler."""
+"""`jobgen runs|status|logs|cancel|plot`: runs read back from their run directories and the scheduler."""
 
 from __future__ import annotations
 
@@ -15,10 +15,26 @@ target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default="."
 
 
 @click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON array, for scripts.")
+def runs(as_json: bool) -> None:
+    """Every run you submitted, newest first: name, state, step, last loss, run directory (also: jobgen list).
+
+    \b
+    Each `jobgen submit` is recorded in $XDG_STATE_HOME/jobgen/index.jsonl (~/.local/state/jobgen);
+    a run directory removed since is shown as gone.
+    """
+    from jobgen.rundir.index import format_table, runs as find_runs
+
+    found = find_runs()
+    click.echo(json.dumps(found, indent=2) if as_json else format_table(found))
+
+
+@click.command()
 @target_argument
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 def status(target: str, as_json: bool) -> None:
-    """Where the job stands: the scheduler's state now, every segment so far, and the goodput."""
+    """Where the job stands: the scheduler's state now, every segment so far (why one failed), the
+    last loss, the final model or adapter, and the goodput (a probe: its result)."""
     from jobgen.rundir.status import collect, format_table
 
     report = collect(target)
@@ -49,7 +65,7 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
     All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
     JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
     """
-    from jobgen.rundir.status import log_path
+    from jobgen.rundir.logs import log_path
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")

@@ -2,9 +2,14 @@
 and read back by every command that explains it.
 
     files.py       every file name in a run directory, spelled once (templates get them too)
-    run.py         RunDir: the job file, the submissions and segments records; find_run
+    run.py         RunDir: the job file, the submissions and segments records; find_run; the
+                   user's index of submissions ($XDG_STATE_HOME/jobgen/index.jsonl)
     submission.py  render, lay out the run directory, hand the script to the scheduler
-    status.py      `jobgen status` and the logs' paths: segments, goodput, the scheduler's word
+    status.py      `jobgen status`: segments, goodput, the scheduler's word
+    outcome.py     what a run came to: the trainer's line (why a segment failed), the last loss,
+                   the final model or adapter, a probe's result
+    logs.py        which log `jobgen logs` reads: the named job's, its node's or rank's
+    index.py       `jobgen runs`: one line per run of this user, newest first
     metrics.py     the trainer's metrics and start-up records, read without torch
     progress.py    live progress: `jobgen logs -f` and a local run's terminal
     plot.py        `jobgen plot`

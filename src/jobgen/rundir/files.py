@@ -28,6 +28,7 @@ HOSTFILE_PREFIX = "hosts."  # mpiexec's hostfile, one per job id
 # In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
 STARTUP_FILE = "startup.jsonl"  # where each segment's time to its first new step went
+FINAL_MODEL = "final"  # the final model (full weights) or adapter, and the tokenizer, once the run completes
 
 
 def script(scheduler: str) -> str:

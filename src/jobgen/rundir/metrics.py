@@ -4,20 +4,25 @@ each segment's start-up record (both written by jobgen.train.metrics, rank 0).""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
 from jobgen.rundir.files import JOB_FILE, METRICS_FILE, STARTUP_FILE
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML has it: ten times faster
 
-def output_dir(run_path: Path) -> Path:
-    """training.output_dir of the run's resolved job, relative to the run directory."""
+
+def output_dir(run_path: Path, job: Optional[dict[str, Any]] = None) -> Path:
+    """training.output_dir of the run's resolved job (read from the run directory unless given),
+    relative to the run directory."""
     try:
-        job = yaml.safe_load((run_path / JOB_FILE).read_text()) or {}
+        if job is None:
+            job = yaml.load((run_path / JOB_FILE).read_text(), Loader=SAFE_LOADER) or {}
         folder = (job.get("training") or {}).get("output_dir") or "output"
-    except (OSError, yaml.YAMLError, AttributeError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
         folder = "output"
     return run_path / folder
 
@@ -28,6 +33,31 @@ def metrics(run_path: Path) -> list[dict[str, Any]]:
 
 def startups(run_path: Path) -> list[dict[str, Any]]:
     return read_jsonl(output_dir(run_path) / STARTUP_FILE)
+
+
+def last_metrics(run_path: Path, job: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The newest metrics record: step, total_steps, loss, ... (None before the first)."""
+    return last_record(output_dir(run_path, job) / METRICS_FILE)
+
+
+def last_record(path: Path, chunk: int = 65536) -> Optional[dict[str, Any]]:
+    """The last whole record of a JSON-lines file, read from its end: a long run's metrics are
+    many megabytes, and `jobgen runs` reads one record of each run."""
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - chunk))
+            data = handle.read()
+    except OSError:
+        return None
+    for line in reversed(data.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line being written, or the cut first line of the chunk
+            continue
+        if isinstance(record, dict):
+            return record
+    return None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

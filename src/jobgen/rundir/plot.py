@@ -26,13 +26,11 @@ def plot_data(target: str) -> dict[str, Any]:
     segments = pair_segments(run.segments())
     if not segments:
         raise JobgenError(f"{run.path} has no segment yet: nothing to plot")
-    records = metrics(run.path)
     starts = [_epoch(s["started_at"]) for s in segments]
+    mine_of = records_by_segment(segments, metrics(run.path))
     entries = []
     for i, segment in enumerate(segments):
-        # A record belongs to the segment whose start precedes it most closely.
-        until = starts[i + 1] if i + 1 < len(segments) else float("inf")
-        mine = [r for r in records if starts[i] <= r.get("time", 0) < until]
+        mine = mine_of[i]
         ended = _epoch(segment["ended_at"]) if segment["ended_at"] else None
         entries.append({
             "job_id": segment["job_id"], "restart": segment["restart"], "outcome": segment["outcome"],
@@ -43,6 +41,26 @@ def plot_data(target: str) -> dict[str, Any]:
             "tokens_per_s": [r.get("tokens_per_s") for r in mine],
         })
     return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
+
+
+def records_by_segment(segments: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each segment's metrics records, in order. A record names the segment that wrote it (its
+    job id and restart count, as segments.jsonl does); one written before records did goes by
+    time, to the segment whose start precedes it, which a start recorded to the whole second may
+    get wrong when the next segment starts in the second of a record."""
+    index = {(str(s["job_id"]), str(s["restart"])): i for i, s in enumerate(segments)}
+    starts = [_epoch(s["started_at"]) for s in segments]
+    found: list[list[dict[str, Any]]] = [[] for _ in segments]
+    for record in records:
+        if "restart" in record:
+            i = index.get((str(record.get("job_id")), str(record["restart"])))
+        elif isinstance(record.get("time"), (int, float)):
+            i = next((i for i in reversed(range(len(starts))) if starts[i] <= record["time"]), None)
+        else:
+            i = None
+        if i is not None:
+            found[i].append(record)
+    return found
 
 
 def draw(data: dict[str, Any], output: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Optional, TextIO
 
 from jobgen.rundir.metrics import JsonlTail, output_dir
 from jobgen.rundir.files import METRICS_FILE
-from jobgen.rundir.metrics import describe_progress
+from jobgen.rundir.metrics import describe_progress, last_record
 
 POLL_SECONDS = 0.5
 TRAINER_STEP_LINE = re.compile(r"\] INFO step \d+(/\d+)?  ")
@@ -111,19 +111,19 @@ def follow_log(target: str, node: Optional[int], rank: Optional[int], out: TextI
     good (or Ctrl-C). The log is looked up again at each new segment (a PBS continuation runs
     under a new job id). Progress is drawn on a terminal; as plain lines only in the batch log,
     which has no trainer lines of its own."""
-    from jobgen.rundir.run import find_run
-    from jobgen.rundir.status import log_path
+    from jobgen.rundir.logs import current_log_path, events_of
+    from jobgen.rundir.run import find_target
 
-    run = find_run(target)
-    submissions = run.submissions()
+    run, named = find_target(target)  # a job id follows that job (and its continuations)
+    submissions = [entry for entry in run.submissions() if named is None or entry.get("job_id") == named]
     foreground = bool(submissions) and submissions[-1].get("scheduler") == "local"
     display = Display(out, out.isatty())
     metrics_path = output_dir(run.path) / METRICS_FILE
     tail = JsonlTail(metrics_path, from_end=True)
-    if display.tty and (newest := _last_record(metrics_path)):
+    if display.tty and (newest := last_record(metrics_path)):
         display.progress(newest)
     show_progress = display.tty or (node is None and rank is None)
-    path, offset = log_path(target, node, rank), 0
+    path, offset = current_log_path(target, node, rank), 0
     ended_at = None
     try:
         while True:
@@ -131,12 +131,15 @@ def follow_log(target: str, node: Optional[int], rank: Optional[int], out: TextI
             for record in tail.new_records():
                 if show_progress:
                     display.progress(record)
-            events = run.segments()
+            every = run.segments()
+            events = events_of(run, named, every)
             last = events[-1] if events else {}
-            if last.get("event") == "start" and (current := log_path(target, node, rank)) != path:
+            # A named job that a later submission's job followed into this run directory is over.
+            superseded = bool(events) and events[-1] is not every[-1]
+            if last.get("event") == "start" and not superseded and (current := current_log_path(target, node, rank)) != path:
                 _show_new_text(path, offset, display)
                 path, offset = current, 0
-            elif last.get("event") == "end" and (foreground or last.get("outcome") in FINAL_OUTCOMES):
+            elif superseded or (last.get("event") == "end" and (foreground or last.get("outcome") in FINAL_OUTCOMES)):
                 if ended_at is not None and time.time() - ended_at >= 1:
                     _show_new_text(path, offset, display)  # the script's last lines follow its end record
                     break
@@ -157,8 +160,3 @@ def _show_new_text(path: Path, offset: int, display: Display) -> int:
     data = data[: data.rfind(b"\n") + 1]  # whole lines, so no character is cut in two
     display.text(data.decode(errors="replace"))
     return offset + len(data)
-
-
-def _last_record(path: Path) -> Optional[dict]:
-    records = JsonlTail(path, from_end=False).new_records()
-    return records[-1] if records else None

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
@@ -30,6 +30,15 @@ def _state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "jobgen"
 
 
+def index_path() -> Path:
+    """The user's record of every `jobgen submit`: one line each, job id, scheduler, run directory."""
+    return _state_dir() / "index.jsonl"
+
+
+def index_entries() -> list[dict[str, Any]]:
+    return _read_jsonl(index_path())
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -37,6 +46,19 @@ class RunDir:
     @property
     def job_file(self) -> Path:
         return self.path / runfiles.JOB_FILE
+
+    def settings(self) -> dict[str, Any]:
+        """The resolved job as plain data, as the last submission wrote it; {} where it is
+        missing or unreadable (the other records still explain the run)."""
+        import yaml
+
+        from jobgen.rundir.metrics import SAFE_LOADER
+
+        try:
+            found = yaml.load(self.job_file.read_text(), Loader=SAFE_LOADER)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def script(self, scheduler: str) -> Path:
         return self.path / runfiles.script(scheduler)
@@ -64,20 +86,26 @@ class RunDir:
     def record_submission(self, job_id: str, scheduler: str, **extra: Any) -> dict[str, Any]:
         entry = {"job_id": job_id, "scheduler": scheduler, "submitted_at": _now(), **extra}
         _append_jsonl(self.path / runfiles.SUBMISSIONS, entry)
-        _append_jsonl(_state_dir() / "index.jsonl", {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
+        _append_jsonl(index_path(), {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
         return entry
 
 
 def find_run(target: str) -> RunDir:
     """A run directory given as a path, or the one a job id was submitted from."""
+    return find_target(target)[0]
+
+
+def find_target(target: str) -> tuple[RunDir, Optional[str]]:
+    """The run directory `target` names, and the job id when it names a job rather than the
+    directory: a run directory holds every job submitted into it, and the id says which."""
     path = Path(target)
     # logs/ is the first thing a batch script makes: a job that stopped before its first
     # segment (wrong node count, say) has only its log to show.
     if any((path / name).exists() for name in (runfiles.SUBMISSIONS, runfiles.SEGMENTS, runfiles.LOGS)):
-        return RunDir(path.resolve())
-    for entry in reversed(_read_jsonl(_state_dir() / "index.jsonl")):
+        return RunDir(path.resolve()), None
+    for entry in reversed(index_entries()):
         if entry.get("job_id") == target:
-            return RunDir(Path(entry["run_dir"]))
+            return RunDir(Path(entry["run_dir"])), target
     raise JobgenError(f"'{target}' is neither a run directory nor a job id submitted with `jobgen submit`")
 
 

@@ -1,13 +1,14 @@
-"""What `jobgen status` and `jobgen logs` read: the run directory's records and the scheduler's word."""
+"""What `jobgen status` reads: the run directory's records and the scheduler's word (`jobgen logs`' paths: jobgen.rundir.logs)."""
 
 from __future__ import annotations
 
+import calendar
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jobgen.rundir import files as runfiles
 from jobgen.errors import JobgenError
+from jobgen.rundir.outcome import attach_messages, format_lines, summary
 from jobgen.rundir.run import RunDir, find_run
 from jobgen.schedulers import get_scheduler
 
@@ -17,13 +18,16 @@ def collect(target: str) -> dict[str, Any]:
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
     state = _scheduler_state(latest) if latest else None
-    segments = attach_startups(pair_segments(run.segments()), run.path)
+    segments = attach_messages(attach_startups(pair_segments(run.segments()), run.path), run)
+    # The last loss, the final model, and why a segment failed; a probe's result instead of a goodput.
+    outcome = summary(run, segments)
     return {
         "run_dir": str(run.path),
         "submissions": submissions,
         "scheduler_state": state,
         "segments": segments,
-        "goodput": goodput(segments),
+        "goodput": None if outcome["probe"] else goodput(segments),
+        **outcome,
     }
 
 
@@ -101,39 +105,18 @@ def format_table(report: dict[str, Any]) -> str:
             )
             for s in report["segments"]
         ]
+        if report.get("probe"):  # a probe trains nothing: no steps, no time to a first step
+            header, rows = header[:4] + header[5:6], [row[:4] + row[5:6] for row in rows]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     else:
         lines.append("no segment has started yet")
+    if outcome := format_lines(report):
+        lines.extend(["", *outcome])
     if report["goodput"] is not None:
         lines.append(f"\ngoodput {report['goodput']:.1%} (training time / time the finished segments held their nodes)")
     return "\n".join(lines)
-
-
-def log_path(target: str, node: Optional[int], rank: Optional[int] = None) -> Path:
-    """The batch log, or node K's: the script and each node write their own into RUN_DIR/logs on
-    every scheduler and launcher, named by the job id the script ran as (a PBS continuation runs
-    under a new id; a run submitted by hand has only the script's own records)."""
-    run = find_run(target)
-    starts = [event for event in run.segments() if event.get("event") == "start"]
-    if starts:
-        job_id = starts[-1]["job_id"]
-    elif run.submissions():
-        job_id = run.latest()["job_id"]
-    else:  # submitted by hand and stopped before its first segment: its newest batch log
-        job_id = _newest_batch_log_job_id(run)
-    if rank is not None:
-        return run.path / runfiles.rank_log(job_id, rank)
-    return run.path / (runfiles.node_log(job_id, node) if node is not None else runfiles.batch_log(job_id))
-
-
-def _newest_batch_log_job_id(run: RunDir) -> str:
-    found = [(p, runfiles.batch_log_job_id(p.name)) for p in run.logs.glob("*")]
-    found = [(p, job_id) for p, job_id in found if job_id]
-    if not found:
-        raise JobgenError(f"{run.path} has no log yet")
-    return max(found, key=lambda item: item[0].stat().st_mtime)[1]
 
 
 def foreground_exit_status(run: RunDir) -> int:
@@ -143,4 +126,4 @@ def foreground_exit_status(run: RunDir) -> int:
 
 
 def _epoch(stamp: str) -> float:
-    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    return calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))  # the stamp is UTC

@@ -13,6 +13,8 @@ reader sees either no file or a whole one. Fields:
   `last_step`; for "failed", the one a restart would resume from) or null.
 - started_at, ended_at: ISO 8601 UTC; train_seconds: seconds spent in the training loop.
 - message: one human-readable line.
+- job_id, restart: the segment this run was (JOBGEN_JOB_ID, JOBGEN_RESTART_COUNT), as segments.jsonl
+  names it, so `jobgen status` shows the message beside its own segment.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from jobgen.rundir.files import TRAINER_EXIT
+from jobgen.train.metrics import this_segment
 
 EXIT_FILE = TRAINER_EXIT
 
@@ -43,6 +46,8 @@ class ExitReport:
     ended_at: Optional[str] = None
     train_seconds: float = 0.0
     message: str = ""
+    job_id: Optional[str] = field(default_factory=lambda: this_segment()["job_id"])
+    restart: int = field(default_factory=lambda: this_segment()["restart"])
 
 
 def write_json_atomically(path: str, payload: dict) -> None:

@@ -7,7 +7,9 @@ lr; tokens (input tokens of all ranks since the previous line, prompt included);
 samples_per_s (all ranks, over the steps' wall time); step_seconds_max/min (slowest and fastest
 rank's compute time of the last step); peak_memory_mb (largest over ranks: CUDA max allocated, or
 the process's max RSS on the CPU); on a GPU also peak_reserved_mb (what the caching allocator held
-at most: the figure an out-of-memory is about) and host_peak_mb (the process's max RSS).
+at most: the figure an out-of-memory is about) and host_peak_mb (the process's max RSS); total_steps
+and seconds_left (see MetricsWriter); job_id and restart, the segment that wrote the line (as in
+startup.jsonl and trainer-exit.json: `jobgen plot` gives each line to its segment by them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ from jobgen.rundir.files import METRICS_FILE, STARTUP_FILE
 from jobgen.rundir.metrics import describe_progress
 
 log = logging.getLogger("jobgen.train")
+
+
+def this_segment() -> dict[str, Any]:
+    """Which segment of the job this process belongs to: the job id the batch script ran as and
+    its restart count, as segments.jsonl records them (None and 0 outside a jobgen job)."""
+    try:
+        restart = int(os.environ.get("JOBGEN_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        restart = 0
+    return {"job_id": os.environ.get("JOBGEN_JOB_ID"), "restart": restart}
 
 
 def host_peak_mb() -> float:
@@ -70,8 +82,7 @@ class StartupClock:
     def record(self, output_dir: str, first_step: int) -> dict:
         """Rank 0: one line in OUTPUT_DIR/startup.jsonl (read by `jobgen status` and `jobgen plot`)."""
         entry = {
-            "job_id": os.environ.get("JOBGEN_JOB_ID"), "restart": int(os.environ.get("JOBGEN_RESTART_COUNT", "0") or 0),
-            "first_step": first_step, "started": round(self.started, 3), "total": round(self.last - self.started, 3),
+            **this_segment(), "first_step": first_step, "started": round(self.started, 3), "total": round(self.last - self.started, 3),
             "seconds": self.seconds,
         }
         with open(os.path.join(output_dir, STARTUP_FILE), "a", encoding="utf-8") as handle:
@@ -98,6 +109,7 @@ class MetricsWriter:
 
             self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         self._previous = (time.time(), first_step)
+        self.segment = this_segment()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -106,13 +118,13 @@ class MetricsWriter:
         then, step_then = self._previous
         per_step = (now - then) / max(1, record["step"] - step_then)
         record = {**record, "total_steps": self.total_steps,
-                  "seconds_left": round(per_step * max(0, self.total_steps - record["step"]), 1)}
+                  "seconds_left": round(per_step * max(0, self.total_steps - record["step"]), 1), **self.segment}
         self._previous = (now, record["step"])
         self.handle.write(json.dumps(record) + "\n")
         self.handle.flush()
         if self.tensorboard is not None:
             for key, value in record.items():
-                if key not in ("step", "total_steps") and isinstance(value, (int, float)):
+                if key not in ("step", "total_steps", "restart") and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
         log.info("%s", describe_progress(record))
 

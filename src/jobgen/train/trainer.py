@@ -33,6 +33,7 @@ from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, Tokenized
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest
 from jobgen.errors import UserError
+from jobgen.rundir.files import FINAL_MODEL
 from jobgen.train.exit_report import ExitReport
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.job.model_reference import check_model_reference
@@ -431,8 +432,8 @@ class Trainer:
         from jobgen.train.exit_report import fsync_directory
 
         dist, engine = self.dist, self.engine
-        final = os.path.join(self.p.output_dir, "final")
-        temp = os.path.join(self.p.output_dir, ".tmp-final")
+        final = os.path.join(self.p.output_dir, FINAL_MODEL)
+        temp = os.path.join(self.p.output_dir, f".tmp-{FINAL_MODEL}")
         state_dict = None
         if self.t.zero_stage == 3:
             state_dict = _zero3_weights_to_save(engine, adapters_only=self.t.method != "full")
@@ -441,7 +442,7 @@ class Trainer:
             engine.module.save_pretrained(temp, state_dict=state_dict)
             self.tokenizer.save_pretrained(temp)
             if os.path.exists(final):
-                old = os.path.join(self.p.output_dir, ".tmp-old-final")
+                old = os.path.join(self.p.output_dir, f".tmp-old-{FINAL_MODEL}")
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
                 shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""`jobgen runs`: every run of this user, from the record each `jobgen submit` appends to
+$XDG_STATE_HOME/jobgen/index.jsonl (jobgen.rundir.run), one line per run directory, newest first.
+
+A run's state comes from its own records (its newest segment's outcome); the scheduler is asked
+only about a run whose records have not ended, so a long list costs no more than a short one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from jobgen.errors import JobgenError
+from jobgen.rundir import files as runfiles
+from jobgen.rundir.outcome import attach_messages, summary
+from jobgen.rundir.progress import FINAL_OUTCOMES
+from jobgen.rundir.run import RunDir, index_entries, index_path
+from jobgen.rundir.status import pair_segments
+from jobgen.schedulers import get_scheduler
+
+
+def runs() -> list[dict[str, Any]]:
+    """One summary per run directory in the index, the most recently submitted first."""
+    newest: dict[str, dict[str, Any]] = {}
+    for entry in index_entries():
+        if isinstance(entry, dict) and isinstance(entry.get("run_dir"), str):
+            newest.pop(entry["run_dir"], None)  # re-inserted: the dict keeps submission order
+            newest[entry["run_dir"]] = entry
+    return [describe(entry) for entry in reversed(newest.values())]
+
+
+def describe(entry: dict[str, Any]) -> dict[str, Any]:
+    """name, state, step, total_steps, last_loss, run_dir, job_id and scheduler of one run."""
+    path = Path(entry["run_dir"])
+    found = {"name": path.name, "state": "gone", "step": None, "total_steps": None, "last_loss": None,
+             "run_dir": str(path), "job_id": entry.get("job_id"), "scheduler": entry.get("scheduler")}
+    run = RunDir(path)
+    try:
+        if not (path / runfiles.SUBMISSIONS).is_file():
+            return found  # removed, or no longer a run directory
+        submissions = run.submissions()
+    except OSError:  # unreadable, or on a file system this machine cannot reach now
+        return found
+    job = run.settings()
+    if isinstance(job.get("name"), str):
+        found["name"] = job["name"]
+    latest = submissions[-1] if submissions else entry
+    segments = attach_messages(pair_segments(run.segments()), run)
+    outcome = summary(run, segments, job)
+    found.update(
+        job_id=latest.get("job_id"), scheduler=latest.get("scheduler"), state=state(latest, segments),
+        step=outcome["step"], total_steps=outcome["total_steps"], last_loss=outcome["last_loss"],
+    )
+    return found
+
+
+def state(latest: dict[str, Any], segments: list[dict[str, Any]]) -> str:
+    """How the latest submission's newest segment ended, once it has for good (completed, failed,
+    restarts_exhausted); before that, what the scheduler says: pending or running; where it
+    cannot say (or no longer knows the job), the records' word."""
+    first = next((i for i, s in enumerate(segments) if str(s["job_id"]) == str(latest.get("job_id"))), None)
+    # Its segments: from its job's first on, a PBS job's continuations (new job ids) included.
+    mine = [] if first is None else segments[first:]
+    if mine and mine[-1]["outcome"] in FINAL_OUTCOMES:
+        return mine[-1]["outcome"]
+    active = _active(latest)
+    if active:
+        return "running" if mine and mine[-1]["ended_at"] is None else "pending"
+    if not mine:  # it ended before its first segment (see its log), or is queued where none can ask
+        return "not started" if active is False else "submitted"
+    return mine[-1]["outcome"]  # "running or lost", or how it stopped (preempted, time_limit, ...)
+
+
+def _active(latest: dict[str, Any]) -> Optional[bool]:
+    """True while the scheduler holds the job queued or running, False once it does not, None
+    where it cannot be asked (no scheduler command on this machine) or there is none to ask."""
+    try:
+        scheduler = get_scheduler(str(latest.get("scheduler")))
+        if scheduler.runs_in_foreground:
+            return False  # its `jobgen submit` returned, so it has ended
+        found = scheduler.state(str(latest.get("job_id")))
+    except JobgenError:
+        return None
+    return bool(found) and found.state.upper() in scheduler.active_states
+
+
+def format_table(found: list[dict[str, Any]]) -> str:
+    if not found:
+        return f"no runs yet: each `jobgen submit` is recorded in {index_path()}"
+    header = ("name", "state", "step", "loss", "run directory")
+    rows = [
+        (
+            run["name"], run["state"],
+            "-" if run["step"] is None else f"{int(run['step'])}" + ("" if run["total_steps"] is None else f"/{int(run['total_steps'])}"),
+            "-" if run["last_loss"] is None else f"{run['last_loss']:.4f}",
+            run["run_dir"],
+        )
+        for run in found
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows])

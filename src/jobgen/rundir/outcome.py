@@ -1,0 +1,132 @@
+"""What a run came to, beyond its segments' start and end records: the trainer's one line on its
+segment (RUN_DIR/trainer-exit.json: why it failed, or what it completed), the last logged loss,
+where the final model or adapter is, and a probe's result. Read by `jobgen status` and `jobgen runs`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Optional
+
+from jobgen.rundir import files as runfiles
+from jobgen.rundir.metrics import last_metrics, output_dir
+from jobgen.rundir.run import RunDir
+
+PROBE = "jobgen-probe"
+
+
+def trainer_report(run: RunDir) -> Optional[dict[str, Any]]:
+    """RUN_DIR/trainer-exit.json, written by rank 0 at the end of each segment and removed by the
+    batch script when the next one starts: the newest segment's, if its trainer got that far."""
+    try:
+        found = json.loads((run.path / runfiles.TRAINER_EXIT).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def attach_messages(segments: list[dict[str, Any]], run: RunDir) -> list[dict[str, Any]]:
+    """Each segment's `message`: the trainer's one line, for the segment the report is about
+    (None for the others: each segment's report replaces the one before)."""
+    for segment in segments:
+        segment["message"] = None
+    report = trainer_report(run)
+    mine = _segment_of(report, segments) if report else None
+    if mine is not None and isinstance(report.get("message"), str) and report["message"]:
+        mine["message"] = report["message"]
+    return segments
+
+
+def _segment_of(report: dict[str, Any], segments: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    if "restart" in report:  # it names its segment as segments.jsonl does
+        key = (str(report.get("job_id")), str(report["restart"]))
+        return next((s for s in reversed(segments) if (str(s["job_id"]), str(s["restart"])) == key), None)
+    # Written before reports named their segment: the newest, if the trainer started after it did.
+    if not segments:
+        return None
+    try:
+        started = datetime.fromisoformat(str(report["started_at"]).replace("Z", "+00:00")).timestamp()
+        segment_started = datetime.fromisoformat(segments[-1]["started_at"].replace("Z", "+00:00")).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+    return segments[-1] if started >= segment_started else None
+
+
+def summary(run: RunDir, segments: list[dict[str, Any]], job: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The run's entrypoint, its newest logged step and loss, its final model, a probe's result.
+    `segments` as jobgen.rundir.status pairs them, with their messages attached."""
+    job = run.settings() if job is None else job
+    launch = job.get("launch") if isinstance(job.get("launch"), dict) else {}
+    entrypoint = launch.get("entrypoint") or "jobgen-train"
+    probe = entrypoint == PROBE
+    last = None if probe else last_metrics(run.path, job)  # a probe trains nothing
+    return {
+        "entrypoint": entrypoint,
+        "step": _number(last, "step"),
+        "total_steps": _number(last, "total_steps"),
+        "last_loss": _number(last, "loss"),
+        "final_model": None if probe else final_model(run, job, segments),
+        "probe": probe_result(run, segments) if probe else None,
+    }
+
+
+def final_model(run: RunDir, job: dict[str, Any], segments: list[dict[str, Any]]) -> Optional[dict[str, str]]:
+    """Where the trainer saved the final model (full fine-tune) or adapter (LoRA, Q-LoRA) with
+    its tokenizer: OUTPUT_DIR/final, once the newest segment completed the run."""
+    if not segments or segments[-1]["outcome"] != "completed":
+        return None
+    path = output_dir(run.path, job) / runfiles.FINAL_MODEL
+    if not path.is_dir():
+        return None
+    training = job.get("training") if isinstance(job.get("training"), dict) else {}
+    method = str(training.get("method") or "lora")
+    return {"path": str(path), "kind": "model" if method == "full" else "adapter", "method": method}
+
+
+def probe_result(run: RunDir, segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The newest probe's outcome and its line: "2 ranks reached each other", or what failed."""
+    if not segments:
+        return {"outcome": None, "message": "not started yet"}
+    last = segments[-1]
+    if last["message"]:
+        message = last["message"]
+    elif last["ended_at"] is None:
+        message = "running (or lost)"
+    else:
+        message = f"the probe left no report: see {run.path / runfiles.LOGS}/{last['job_id']}*.out"
+    return {"outcome": last["outcome"], "message": message}
+
+
+def failure_lines(run_dir: str, segments: list[dict[str, Any]]) -> list[str]:
+    """One line per failed segment: the trainer's reason, or where to read it."""
+    lines = []
+    for segment in segments:
+        if segment["outcome"] != "failed":
+            continue
+        reason = segment.get("message") or (
+            f"the trainer's report is gone or was never written: see {run_dir}/{runfiles.batch_log(segment['job_id'])}"
+        )
+        lines.append(f"job {segment['job_id']} restart {segment['restart']} failed: {reason}")
+    return lines
+
+
+def format_lines(report: dict[str, Any]) -> list[str]:
+    """What `jobgen status` prints under the segments: failures, the last loss, the final model,
+    or a probe's result."""
+    lines = failure_lines(report["run_dir"], report["segments"]) if report.get("probe") is None else []
+    if report.get("step") is not None:
+        total = f"/{int(report['total_steps'])}" if report.get("total_steps") is not None else ""
+        loss = f"loss {report['last_loss']:.4f} at " if report.get("last_loss") is not None else ""
+        lines.append(f"last {loss}step {int(report['step'])}{total}")
+    if report.get("final_model"):
+        final = report["final_model"]
+        lines.append(f"final {final['kind']} ({final['method']}): {final['path']}")
+    if report.get("probe"):
+        lines.append(f"probe: {report['probe']['message']}")
+    return lines
+
+
+def _number(record: Optional[dict[str, Any]], key: str) -> Optional[float]:
+    value = (record or {}).get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
