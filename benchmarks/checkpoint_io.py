@@ -90,7 +90,7 @@ def worker(job_path: str, repeats: int, out_path: str) -> None:
     info = RankInfo.from_env()
     p = prepare(load_job(job_path), os.path.dirname(job_path), info.world_size, info.local_rank)
     t = p.training
-    dist = Distributed(info, p.placement)
+    dist = Distributed(info, p.placement, p.job.launch.collective_timeout_minutes)
     tokenizer = load_tokenizer(t.model)
     dataset = TokenizedDataset(p.conversations, ChatTokenizer(tokenizer, t.max_length), tokenizer.pad_token_id)
     order = BatchOrder(len(dataset), dist.world_size, dist.rank, t.per_device_batch_size, t.seed)

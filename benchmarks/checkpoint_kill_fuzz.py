@@ -54,8 +54,8 @@ def write_job(run_dir: Path, tiny: Path, sync: bool) -> Path:
         "per_device_batch_size": 2, "gradient_accumulation": 2, "epochs": 2, "save_interval": 2,
         "max_length": 128, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "async_save": not sync,
     }
-    job = {"name": run_dir.name, "resources": {"nodes": 1, "gpus_per_node": 0}, "launch": {"procs_per_node": 2},
-           "training": training}
+    job = {"name": run_dir.name, "resources": {"nodes": 1, "gpus_per_node": 0},
+           "launch": {"procs_per_node": 2, "collective_timeout_minutes": 3}, "training": training}
     path = run_dir / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -69,7 +69,6 @@ def free_port() -> int:
 
 def start(job: Path, **env: str) -> subprocess.Popen:
     environment = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    environment.setdefault("JOBGEN_PG_TIMEOUT_MINUTES", "3")
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          "-m", "jobgen.train", "--job", str(job)],

@@ -115,9 +115,11 @@ JOB = {
 ], ids=["pyxis-on-pbs", "pyxis-local", "no-runtime", "unknown-runtime", "relative-mount", "own-flag-nv", "own-flag-mounts"])
 def test_a_container_mistake_is_one_line_naming_the_field(tmp_path: Path, container: dict, scheduler: str, message: str) -> None:
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({**JOB, "container": container}))
-    result = jobgen("render", "-s", scheduler, "job.yaml", cwd=tmp_path)
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr.splitlines() == [f"jobgen: error: {message}"]
+    # validate runs render's checks; as the probe, the job names no files for it to check first.
+    for command in (["render"], ["validate", "--set", "launch.entrypoint=jobgen-probe"]):
+        result = jobgen(*command, "-s", scheduler, "job.yaml", cwd=tmp_path)
+        assert (result.returncode, result.stdout) == (2, ""), command
+        assert result.stderr.splitlines() == [f"jobgen: error: {message}"], command
 
 
 def test_a_site_sets_the_runtime_and_a_job_only_its_image(tmp_path: Path) -> None:
@@ -186,7 +188,7 @@ def test_apptainer_stand_in_trains_two_nodes_and_a_stop_reaches_the_ranks(tmp_pa
     job = {
         "name": "boxed",
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00"},
-        "launch": {"procs_per_node": 1},
+        "launch": {"procs_per_node": 1, "collective_timeout_minutes": 3},
         "container": {"runtime": "apptainer", "image": "/images/stand-in.sif",
                       "mounts": [f"{tmp_path}/data:/data:ro"], "flags": ["--writable-tmpfs"]},
         "training": {"model": str(tiny_model / "model"), "data": str(tiny_model / "data.json"), "method": "lora",
@@ -197,7 +199,7 @@ def test_apptainer_stand_in_trains_two_nodes_and_a_stop_reaches_the_ranks(tmp_pa
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     log = tmp_path / "stand-in.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "STAND_IN_LOG": str(log),
-           "JOBGEN_DEBUG_STEP_DELAY": "0.5", "JOBGEN_PG_TIMEOUT_MINUTES": "3"}
+           "JOBGEN_DEBUG_STEP_DELAY": "0.5"}
     submit = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "runs" / "boxed"

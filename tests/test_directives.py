@@ -148,8 +148,10 @@ CONFLICTS = [
 def test_extra_directive_that_repeats_a_generated_option_is_refused(
     tmp_path: Path, scheduler: str, line: str, generated: str, fix: str
 ) -> None:
-    result = jobgen("render", "-s", scheduler, str(write_job(tmp_path, extra_directives=[line])))
-    assert_refused(result, f"extra_directives: '{line}' conflicts with the generated '{generated}'; {fix}")
+    config = str(write_job(tmp_path, extra_directives=[line]))
+    for command in ("render", "validate"):  # validate runs the same checks, without rendering
+        result = jobgen(command, "-s", scheduler, config)
+        assert_refused(result, f"extra_directives: '{line}' conflicts with the generated '{generated}'; {fix}")
 
 
 @pytest.mark.parametrize(
@@ -162,10 +164,33 @@ def test_site_profile_directive_that_repeats_a_generated_option_is_refused_at_re
     site = tmp_path / "site.yaml"
     site.write_text(yaml.safe_dump({"defaults": {"extra_directives": [line]}}))
     config = write_job(tmp_path)
-    for command in (["render"], ["submit", "--dry-run"]):
+    for command in (["render"], ["submit", "--dry-run"], ["validate"]):
         result = jobgen(*command, "-s", scheduler, str(config), "--site", str(site), cwd=tmp_path)
         assert_refused(result, f"extra_directives: '{line}' conflicts with the generated '{generated}'; {fix}")
     assert not (tmp_path / "runs").exists()
+
+
+def test_validate_checks_for_the_site_profiles_scheduler_unless_given_another(tmp_path: Path) -> None:
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"scheduler": "slurm", "defaults": {"extra_directives": ["#SBATCH -t 60"]}}))
+    config = str(write_job(tmp_path))
+    result = jobgen("validate", config, "--site", str(site), cwd=tmp_path)
+    assert_refused(result, f"extra_directives: '#SBATCH -t 60' conflicts with the generated '{TIME}'; "
+                           "set resources.time_limit instead")
+    fixed = jobgen("validate", config, "--site", str(site), "--set", "extra_directives=[]", cwd=tmp_path)
+    assert fixed.returncode == 0 and fixed.stdout.rstrip().endswith("; checked for slurm"), fixed.stderr
+    # --scheduler wins over the profile's; a PBS script leaves Slurm's directives out.
+    pbs = jobgen("validate", "-s", "pbs", config, "--site", str(site), cwd=tmp_path)
+    assert pbs.returncode == 0 and pbs.stdout.rstrip().endswith("; checked for pbs"), pbs.stderr
+    plain = jobgen("validate", config, "--site", "none", cwd=tmp_path)
+    assert plain.returncode == 0 and plain.stdout.rstrip().endswith("; not checked against a scheduler (give --scheduler)")
+
+
+def test_validate_refuses_a_launcher_the_scheduler_cannot_use(tmp_path: Path) -> None:
+    config = str(write_job(tmp_path))
+    result = jobgen("validate", "-s", "slurm", config, "--set", "launch.launcher=pbsdsh")
+    assert_refused(result, "'launch.launcher' is 'pbsdsh', which slurm cannot use; accepted: srun")
+    assert jobgen("validate", "-s", "pbs", config, "--set", "launch.launcher=pbsdsh").returncode == 0
 
 
 ALLOWED = {

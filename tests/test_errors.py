@@ -20,6 +20,15 @@ CASES = {
         "'training.method' is 'qlor': Input should be 'full', 'lora' or 'qlora' (did you mean 'qlora'?)",
     ),
     "time limit format": ("resources: {time_limit: 3h}\n" + BASE, "'resources.time_limit' is '3h': expected [D-]HH:MM:SS"),
+    "unquoted time limit, read by YAML as seconds": (
+        "resources: {time_limit: 24:00:00}\n" + BASE,  # as a user types it
+        "'resources.time_limit' is 86400: expected [D-]HH:MM:SS in quotes, e.g. time_limit: \"24:00:00\"; "
+        "unquoted, YAML 1.1 reads 24:00:00 as the number 86400 (base 60)",
+    ),
+    "time limit as a number": (
+        "resources: {time_limit: 90}\n" + BASE,
+        "'resources.time_limit' is 90: expected [D-]HH:MM:SS in quotes, e.g. time_limit: \"01:30:00\"",
+    ),
     "missing required field": ("launch: {procs_per_node: 1}\ntraining: {model: m}\n", "'training.data' is required"),
     "cpu job without process count": ("training: {model: m, data: d}\n", "launch.procs_per_node is required when resources.gpus_per_node is 0"),
     "procs differ from gpus": (
@@ -79,6 +88,14 @@ def test_bad_command_line_values_fail_clearly(tmp_path: Path, args: list[str], m
     config.write_text(BASE)
     result = jobgen("render", "-s", "slurm", str(config), *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_time_given_with_set_is_the_time_not_its_base_60_number(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE)
+    result = jobgen("render", "-s", "slurm", str(config), "--set", "resources.time_limit=24:00:00")
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --time=1-00:00:00" in result.stdout
 
 
 def test_missing_file_and_unknown_scheduler() -> None:

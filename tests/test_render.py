@@ -14,9 +14,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jobgen.job.dump import as_set_yaml
 from jobgen.job.layers import resolve_job
 from jobgen.job.models import Job
 from jobgen.script.render import job_yaml, render
+from jobgen.train.__main__ import load_job
 from tests.helpers import jobgen, node_script_of, shell_findings
 
 HOSTILE = [
@@ -91,8 +93,9 @@ def test_hostile_values_reach_the_trainer_intact_with_fake_torchrun(tmp_path: Pa
         assert seen["env"]["NODE_RANK"] == str(rank)
         assert seen["env"]["NNODES"] == "2"
         assert seen["argv"][-2:] == ["--job", str(run_dir / "job.yaml")]
-    trained = yaml.safe_load((run_dir / "job.yaml").read_text())
-    assert trained["training"]["model"] == HOSTILE[0] and trained["name"] == HOSTILE[1]
+    trained = load_job(str(run_dir / "job.yaml"))  # as jobgen-train reads it, its defaults added back
+    assert trained == resolve_job(config).job
+    assert trained.training.model == HOSTILE[0] and trained.name == HOSTILE[1]
     assert SECRET not in (tmp_path / "job.sh").read_text(), "a secret's value was written into the script"
     assert not (run_dir / "node.env").exists(), "the file holding secrets outlived the job"
 
@@ -115,6 +118,7 @@ def test_no_value_puts_the_job_yaml_terminator_on_a_line_of_its_own(value: str) 
     # The job YAML needs its guard only for text jobgen does not quote: YAML indents every value.
     job = Job.model_validate({**cpu_job(), "run_dir": value, "environment": {"variables": {"X": value}}})
     assert "JOBGEN_JOB_YAML" not in job_yaml(job).splitlines()
+    assert "JOBGEN_JOB_YAML" not in as_set_yaml(job).splitlines()  # what the script embeds
 
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=30)
@@ -239,3 +243,15 @@ def test_schema_is_json_schema_of_the_job_file() -> None:
     schema = json.loads(result.stdout)
     assert schema["title"] == "Job" and "training" in schema["required"]
     assert "gpus_per_node" in schema["$defs"]["Resources"]["properties"]
+    timeout = schema["$defs"]["Launch"]["properties"]["collective_timeout_minutes"]
+    assert (timeout["default"], timeout["minimum"], timeout["maximum"]) == (30, 1, 1440)
+    assert timeout["description"].startswith("how long a jobgen-train rank waits in one collective")
+
+
+@pytest.mark.parametrize("minutes", [0, 1441, 2.5])
+def test_collective_timeout_is_whole_minutes_up_to_a_day(tmp_path: Path, minutes) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"launch": {"procs_per_node": 1, "collective_timeout_minutes": minutes},
+                                      "training": {"model": "m", "data": "d"}}))
+    result = jobgen("render", "-s", "slurm", str(config))
+    assert result.returncode == 2 and f"'launch.collective_timeout_minutes' is {minutes}" in result.stderr

@@ -121,7 +121,8 @@ def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: d
         "defaults": "defaults: unknown key 'resources.partiton' (did you mean 'partition'?)",
         "limits": "'limits.gpu.max_time' is '2 days': expected [D-]HH:MM:SS",
         "scheduler": "'scheduler': unknown scheduler 'lsf'",
-        "unquoted": "'limits.gpu.max_time' is 172800: expected [D-]HH:MM:SS in quotes, e.g. max_time: \"48:00:00\"",
+        "unquoted": "'limits.gpu.max_time' is 172800: expected [D-]HH:MM:SS in quotes, e.g. max_time: \"48:00:00\"; "
+                    "unquoted, YAML 1.1 reads 48:00:00 as the number 172800 (base 60)",
     }
     profiles = {
         "limit": {"limit": {}},

@@ -25,7 +25,6 @@ def free_port() -> int:
 def subprocess_env(**extra: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("JOBGEN_PG_TIMEOUT_MINUTES", "3")
     env.update(extra)
     return env
 
@@ -83,8 +82,9 @@ def tiny(tmp_path_factory) -> Path:
     return directory
 
 
-def write_job(run_dir: Path, tiny: Path, procs: int = 2, **training) -> Path:
-    """RUN_DIR/job.yaml for a CPU job on the tiny model (LoRA with dropout unless overridden)."""
+def write_job(run_dir: Path, tiny: Path, procs: int = 2, collective_timeout_minutes: int = 3, **training) -> Path:
+    """RUN_DIR/job.yaml for a CPU job on the tiny model (LoRA with dropout unless overridden); a
+    test that hangs in a collective fails after `collective_timeout_minutes`, not the default 30."""
     run_dir.mkdir(parents=True, exist_ok=True)
     section = {
         "model": str(tiny / "model"),
@@ -102,7 +102,7 @@ def write_job(run_dir: Path, tiny: Path, procs: int = 2, **training) -> Path:
     job = {
         "name": run_dir.name,
         "resources": {"nodes": 1, "gpus_per_node": 0},
-        "launch": {"procs_per_node": procs},
+        "launch": {"procs_per_node": procs, "collective_timeout_minutes": collective_timeout_minutes},
         "training": section,
     }
     path = run_dir / "job.yaml"

@@ -32,6 +32,31 @@ def test_full_zero3_with_gradient_checkpointing_saves_a_loadable_model(make_job,
     assert AutoTokenizer.from_pretrained(final).convert_tokens_to_ids("<|im_end|>") is not None
 
 
+def bitsandbytes_import_says() -> str:
+    """What `import bitsandbytes` prints on this machine, as a CPU rank imports it (on a CPU with
+    AVX-512 BF16 and no `kernels` package: "Failed to load CPU gemm_4bit_forward ..."); often nothing."""
+    result = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(format='%(message)s'); "
+                             "import bitsandbytes"], capture_output=True, text=True, timeout=300,
+                            env=subprocess_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr
+    return result.stderr.strip()
+
+
+def test_lora_rank_never_imports_bitsandbytes_and_waits_in_a_collective_as_long_as_the_job_says(make_job, tools):
+    # PYTHONPROFILEIMPORTTIME lists every module each process imports, so this holds on any CPU,
+    # whether or not bitsandbytes would print anything here.
+    job = make_job("lora-imports", max_steps=2, collective_timeout_minutes=7)
+    result = tools.train(job, PYTHONPROFILEIMPORTTIME="1")
+    assert result.returncode == 0, result.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stdout.splitlines() if line.startswith("import time:")}
+    assert "peft" in imported and "deepspeed" in imported
+    # peft's attempt is listed too, as `bitsandbytes` alone: refused at once. Importing it loads its
+    # backends and layers (bitsandbytes.nn, bitsandbytes.backends.cpu.ops: where the warning is).
+    assert sorted(name for name in imported if name.startswith("bitsandbytes.")) == []
+    assert "gemm_4bit" not in result.stdout
+    assert "process group: 2 ranks over gloo; a collective fails after 7 min (launch.collective_timeout_minutes)" in result.stdout
+
+
 def test_qlora_bf16_trains_4bit_layers_and_saves_a_peft_adapter(make_job, tools, tiny):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -40,6 +65,8 @@ def test_qlora_bf16_trains_4bit_layers_and_saves_a_peft_adapter(make_job, tools,
     result = tools.train(job)
     assert result.returncode == 0, result.stdout
     assert "qlora: 14 linear layers in 4-bit NF4" in result.stdout
+    for line in bitsandbytes_import_says().splitlines():  # a qlora job keeps what bitsandbytes says
+        assert line in result.stdout
     final = job.parent / "output" / "final"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"), final)
     saved = tools.adapter_weights(job.parent / "output")

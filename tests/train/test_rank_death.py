@@ -23,12 +23,12 @@ def _node(job, node_rank: int, port: int) -> subprocess.Popen:
     ]
     return subprocess.Popen(
         command, cwd=job.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=subprocess_env(JOBGEN_DEBUG_STEP_DELAY="0.5", JOBGEN_PG_TIMEOUT_MINUTES="10"),
+        env=subprocess_env(JOBGEN_DEBUG_STEP_DELAY="0.5"),
     )
 
 
 def test_a_rank_killed_on_one_node_ends_the_other_nodes_trainer_within_seconds(tools, tiny, tmp_path):
-    job = tools.write_job(tmp_path / "two-nodes", tiny, procs=1)
+    job = tools.write_job(tmp_path / "two-nodes", tiny, procs=1, collective_timeout_minutes=10)
     port = free_port()
     nodes = [_node(job, 0, port), _node(job, 1, port)]
     try:

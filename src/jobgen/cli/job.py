@@ -11,6 +11,7 @@ import click
 
 from jobgen.cli.options import (
     check_files,
+    checked_scheduler_option,
     config_argument,
     resolve,
     scheduler_for,
@@ -49,14 +50,28 @@ def render(config: Path, scheduler: Optional[str], site: Optional[str], override
 
 @click.command()
 @config_argument
+@checked_scheduler_option
 @site_option
 @set_option
 @template_dir_option
-def validate(config: Path, site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...]) -> None:
-    """Check CONFIG, the files it names and the template overrides, and show the derived values (world size, global batch)."""
+def validate(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...]) -> None:
+    """Check CONFIG, the files it names and the template overrides, and show the derived values (world size, global batch).
+
+    With a scheduler (--scheduler, or the site profile's), also run the checks render runs
+    before its templates: the launcher, the container and the extra directives.
+    """
     resolved = resolve(config, site, overrides)
     job = resolved.job
     check_files(job)
+    scheduler = scheduler or resolved.site.scheduler
+    if scheduler:
+        from jobgen.schedulers import get_scheduler
+        from jobgen.script.checks import check_for_scheduler
+
+        chosen = get_scheduler(scheduler)
+        check_for_scheduler(job, chosen)
+        for warning in chosen.warnings(job):
+            click.echo(f"jobgen: warning: {warning}", err=True)
     from jobgen.script.template_search import override_folders
 
     folders = override_folders(template_dirs, resolved.site.template_dir)
@@ -64,10 +79,11 @@ def validate(config: Path, site: Optional[str], overrides: tuple[str, ...], temp
         from jobgen.script.render import check_templates
 
         check_templates(folders)
+    checked = f"checked for {scheduler}" if scheduler else "not checked against a scheduler (give --scheduler)"
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
         f"{job.world_size} ({job.backend}); global batch {job.global_batch}; {job.training.method}, "
-        f"ZeRO-{job.training.zero_stage}, {job.training.precision}"
+        f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
     )
 
 

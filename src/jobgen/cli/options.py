@@ -53,6 +53,11 @@ set_option = click.option(
 scheduler_option = click.option(
     "--scheduler", "-s", type=SchedulerName(), help="Which scheduler the script is for; the site profile's by default."
 )
+checked_scheduler_option = click.option(  # validate's: optional even without a site profile's
+    "--scheduler", "-s", type=SchedulerName(),
+    help="Also run the checks render runs for this scheduler (launcher, container, extra directives); "
+    "the site profile's by default, none without one.",
+)
 
 
 template_dir_option = click.option(

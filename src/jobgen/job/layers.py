@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from jobgen.errors import JobgenError, describe_validation_error
 from jobgen.job.models import Job
 from jobgen.job.sites import SiteProfile, load_site
-from jobgen.job.yamlfile import check_shape, parse_yaml
+from jobgen.job.yamlfile import Sexagesimal, check_shape, parse_yaml
 from jobgen.job.yamlfile import read_yaml_mapping as _read_yaml
 
 
@@ -60,6 +60,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         value = parse_yaml(raw) if raw.strip() else ""
     except ValueError:
         value = raw  # not YAML: the text itself, which validation then accepts or names
+    if isinstance(value, Sexagesimal):
+        value = value.text  # `--set resources.time_limit=24:00:00` means the time, not 86400 (base 60)
     check_shape(value, f"--set {key.strip()}")
     parts = key.strip().split(".")
     target = data

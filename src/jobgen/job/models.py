@@ -12,6 +12,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from jobgen.job.yamlfile import Sexagesimal
+
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Slurm/PBS names for partitions, queues, accounts, QoS, modules: conservative on purpose.
 SCHEDULER_NAME = r"^[A-Za-z0-9_.@%+:/-]+$"
@@ -47,6 +49,19 @@ def parse_time_limit(text: str) -> int:
     if total <= 0:
         raise ValueError("must be longer than zero")
     return total
+
+
+def refuse_number_as_time(value: object, key: str, example: str) -> object:
+    """Before a [D-]HH:MM:SS field's own check: a number is refused with how to write the time.
+    YAML 1.1 reads an unquoted `24:00:00` as 86400 (base 60); the message then quotes the user's text."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(value, Sexagesimal):
+        raise ValueError(
+            f'expected [D-]HH:MM:SS in quotes, e.g. {key}: "{value.text}"; unquoted, YAML 1.1 reads {value.text} '
+            f"as the number {int(value)} (base 60)"
+        )
+    raise ValueError(f'expected [D-]HH:MM:SS in quotes, e.g. {key}: "{example}"')
 
 
 def parse_memory_mb(text: str) -> int:
@@ -102,6 +117,11 @@ class Resources(_Strict):
                 )
         return value
 
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time_limit_is_text(cls, value: object) -> object:
+        return refuse_number_as_time(value, "time_limit", "01:30:00")
+
     @field_validator("time_limit")
     @classmethod
     def _time_limit_parses(cls, value: str) -> str:
@@ -149,6 +169,13 @@ class Launch(_Strict):
     network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
     socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
+    collective_timeout_minutes: int = Field(
+        30, ge=1, le=24 * 60,
+        description="how long a jobgen-train rank waits in one collective (a step's all-reduce, a barrier, the "
+        "agreement on a checkpoint) before it fails: a rank that died or hangs ends the others after this long "
+        "instead of never. Make it longer than anything one rank may do while the others wait for it: "
+        "loading the model, one step, a synchronous checkpoint save",
+    )
     entrypoint: Literal["jobgen-train", "jobgen-probe"] = Field(
         "jobgen-train", description="jobgen-probe checks ranks and rendezvous in seconds, without a model"
     )

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Iterator, Optional
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from jobgen.errors import JobgenError, describe_errors, describe_validation_error
-from jobgen.job.models import SCHEDULER_NAME, Job, parse_time_limit
+from jobgen.job.models import SCHEDULER_NAME, Job, parse_time_limit, refuse_number_as_time
 from jobgen.resources import bundled_path
 from jobgen.job.yamlfile import read_yaml_mapping
 
@@ -49,10 +49,7 @@ class PartitionLimits(BaseModel):
     @field_validator("max_time", mode="before")
     @classmethod
     def _time_is_text(cls, value: object) -> object:
-        # YAML 1.1 reads an unquoted 48:00:00 as the number 172800 (base 60).
-        if isinstance(value, int) and not isinstance(value, bool):
-            raise ValueError('expected [D-]HH:MM:SS in quotes, e.g. max_time: "48:00:00" (unquoted, YAML reads it as a number)')
-        return value
+        return refuse_number_as_time(value, "max_time", "48:00:00")
 
     @field_validator("max_time")
     @classmethod

@@ -11,8 +11,39 @@ import yaml
 from jobgen.errors import JobgenError
 from jobgen.job.textfile import not_utf8_message
 
-# libyaml's loader where PyYAML has it: the same safe subset, faster on the CLI's start-up path.
-SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# libyaml's parser where PyYAML has it: the same safe subset, faster on the CLI's start-up path.
+_BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class Sexagesimal(int):
+    """A number YAML 1.1 read in base 60 (`24:00:00` is 86400) with `text`, what the file says:
+    an unquoted time reaches a time field as seconds, and its error can quote the user's text."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str) -> "Sexagesimal":
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+    def __getnewargs__(self) -> tuple[int, str]:  # copy.deepcopy (a site's defaults are copied)
+        return int(self), self.text
+
+
+class SafeLoader(_BaseLoader):
+    """The safe subset; a base-60 number is a `Sexagesimal`, an int everywhere else too."""
+
+
+def _construct_int(loader: yaml.constructor.SafeConstructor, node: yaml.ScalarNode) -> int:
+    value = loader.construct_yaml_int(node)
+    return Sexagesimal(value, str(node.value)) if ":" in str(node.value) else value
+
+
+SafeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+for _dumper in {yaml.SafeDumper, getattr(yaml, "CSafeDumper", yaml.SafeDumper)}:
+    # Written back as the number it is (`jobgen sites show` prints a profile's defaults as read).
+    _dumper.add_representer(Sexagesimal, yaml.representer.SafeRepresenter.represent_int)
+
 # A job is three levels deep and a few dozen values; these bounds only stop a file that would
 # make validating it hang (YAML aliases that expand to millions of values, or nest forever).
 MAX_DEPTH = 32

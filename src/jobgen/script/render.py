@@ -14,16 +14,16 @@ from typing import Any, Optional, Sequence
 
 import jinja2
 import jinja2.runtime
-import yaml
 
 from jobgen import __version__
+from jobgen.job.dump import as_set_yaml, complete_yaml
 from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
-from jobgen.script.containers import check_container
+from jobgen.script.checks import check_for_scheduler
 from jobgen.job.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
 from jobgen.rundir.files import TEMPLATE_FILES
-from jobgen.schedulers import get_scheduler, refuse_unknown_directives
+from jobgen.schedulers import get_scheduler
 from jobgen.script.template_search import BUNDLED, TemplateFolder, search_path
 from jobgen.job.textfile import file_not_utf8_message
 
@@ -135,19 +135,16 @@ def check_templates(folders: Sequence[TemplateFolder]) -> None:
 
 
 def job_yaml(job: Job) -> str:
-    """The resolved job as the trainer reads it: every layer applied, defaults spelled out."""
-    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    return yaml.dump(job.model_dump(mode="json"), Dumper=dumper, sort_keys=False, default_flow_style=False, width=1000)
+    """The resolved job, every layer applied and every default spelled out (RUN_DIR/job.yaml as
+    `jobgen submit` writes it); the script embeds the job as set (jobgen.job.dump.as_set_yaml)."""
+    return complete_yaml(job)
 
 
 def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[Path] = ()) -> str:
     """The batch script; `template_dirs` (`--template-dir`) come first on the template search path."""
     job = resolved.job
     scheduler = get_scheduler(scheduler_name)
-    launcher = scheduler.launcher(job)
-    check_container(job, scheduler.name, launcher)
-    directives = scheduler.directives(job)
-    refuse_unknown_directives(job, scheduler)
+    launcher, directives = check_for_scheduler(job, scheduler)
     folders = search_path(template_dirs, resolved.site.template_dir, site_packages=bool(resolved.site.name))
     # A plug-in scheduler's own template: after every override, before the bundled templates.
     folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
@@ -161,7 +158,7 @@ def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
         "directives": [Raw(line) for line in directives],
         "launcher": launcher,
         "nccl": nccl_variables(job),
-        "job_yaml": Raw(job_yaml(job)),
+        "job_yaml": Raw(as_set_yaml(job)),  # what the job sets: jobgen-train adds the defaults back
         "job_yaml_end": Raw(JOB_YAML_END),
         "node_script_end": Raw(NODE_SCRIPT_END),
         "warnings": resolved.warnings + scheduler.warnings(job),

@@ -19,9 +19,10 @@ Precision: the job's bf16/fp16/fp32 runs as asked, on a GPU and on the CPU (all 
 the CPU with DeepSpeed ZeRO-2 + LoRA; fp16 with DeepSpeed's loss scaling). On CPUs without
 native bf16/fp16 kernels fp32 is usually the fastest; the trainer says so once and obeys the job.
 
-Environment variables:
-- JOBGEN_PG_TIMEOUT_MINUTES (default 30): timeout of every collective, so a dead rank cannot
-  leave the others waiting forever.
+Every setting is the job's: how long a rank waits in a collective before failing, for one, is
+`launch.collective_timeout_minutes` (`jobgen schema` describes each field).
+
+Environment variables, for tests and demos only:
 - JOBGEN_DEBUG_STEP_DELAY (seconds, default 0): testing aid; sleep after each optimizer step so a
   test or demo can interrupt a tiny model mid-training.
 - JOBGEN_DEBUG_SAMPLE_LOG (default off): testing aid; with 1, each rank appends the ids of every

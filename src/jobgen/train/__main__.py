@@ -25,14 +25,18 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def load_job(path: str):
-    """The validated Job in `path`, read as `jobgen validate` reads it; UserError otherwise."""
+    """The validated Job in `path`, read as `jobgen validate` reads it, with this jobgen's defaults;
+    UserError otherwise, or if the job rendered into the script was another (jobgen.job.dump)."""
     from pathlib import Path
 
+    from jobgen.job.dump import check_rebuilt
     from jobgen.job.layers import resolve_job
     from jobgen.errors import JobgenError
 
     try:
-        return resolve_job(Path(path)).job
+        job = resolve_job(Path(path)).job
+        check_rebuilt(job, Path(path).read_text(encoding="utf-8"), path)
+        return job
     except JobgenError as error:
         raise UserError(str(error).replace("\n", "; ")) from None
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from jobgen.train import checkpoint as ckpt
-from jobgen.train.distributed import pg_timeout
 from jobgen.train.exit_report import write_json_atomically
 
 NICENESS = 10  # added to the save thread's (Linux: per thread)
@@ -36,7 +35,7 @@ class BackgroundSaves:
         self.store, self.dist, self.pause = store, store.dist, store.pause
         self.on_commit = on_commit
         self._in_flight: Optional[_InFlight] = None
-        self._group = torch.distributed.new_group(backend="gloo", timeout=pg_timeout())
+        self._group = torch.distributed.new_group(backend="gloo", timeout=self.dist.timeout)
 
     def start(self, engine: Any, step: int, state: dict) -> float:
         """Collective: wait for the save in flight, snapshot `step` into host memory, and write and

@@ -3,8 +3,8 @@
 The job decides the device, not the host: `resources.gpus_per_node > 0` is nccl on
 cuda:LOCAL_RANK, and a host where CUDA is unusable is an error, not a silent CPU run; 0 is gloo on
 the CPU with the GPUs hidden, so a CPU job on a GPU host touches no GPU. Everything else in the
-trainer is the same code on both. The process group gets a timeout (`JOBGEN_PG_TIMEOUT_MINUTES`,
-default 30) so a rank that dies cannot leave the others waiting forever.
+trainer is the same code on both. The process group gets the job's timeout
+(`launch.collective_timeout_minutes`) so a rank that dies cannot leave the others waiting forever.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 from jobgen.errors import UserError
-
-DEFAULT_TIMEOUT_MINUTES = 30.0
-
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -34,17 +31,6 @@ class RankInfo:
         except ValueError as exc:
             raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers ({exc})") from None
         return cls(rank, local_rank, world_size)
-
-
-def pg_timeout() -> timedelta:
-    raw = os.environ.get("JOBGEN_PG_TIMEOUT_MINUTES", str(DEFAULT_TIMEOUT_MINUTES))
-    try:
-        minutes = float(raw)
-        if minutes <= 0:
-            raise ValueError
-    except ValueError:
-        raise UserError(f"JOBGEN_PG_TIMEOUT_MINUTES is {raw!r}; expected a positive number of minutes") from None
-    return timedelta(minutes=minutes)
 
 
 @dataclass(frozen=True)
@@ -120,14 +106,16 @@ def skip_shared_memory_op(deepspeed: Any) -> None:
 
 
 class Distributed:
-    """An initialized process group (also for a single process without torchrun)."""
+    """An initialized process group (also for a single process without torchrun) whose every
+    collective fails after `timeout_minutes` (the job's launch.collective_timeout_minutes)."""
 
-    def __init__(self, info: RankInfo, placement: Placement) -> None:
+    def __init__(self, info: RankInfo, placement: Placement, timeout_minutes: float) -> None:
         import torch
         import torch.distributed as dist
 
         self.rank, self.local_rank, self.world_size = info.rank, info.local_rank, info.world_size
         self.cuda, self.backend, self.device = placement.cuda, placement.backend, placement.device
+        self.timeout = timedelta(minutes=timeout_minutes)  # also for the groups made later (background saves)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", str(self.rank))
@@ -138,7 +126,7 @@ class Distributed:
         if not self.cuda:
             skip_shared_memory_op(deepspeed)
         # deepspeed.comm wraps torch.distributed; initializing through it keeps both views the same.
-        deepspeed.init_distributed(dist_backend=self.backend, timeout=pg_timeout(), auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend=self.backend, timeout=self.timeout, auto_mpi_discovery=False)
         self._dist = dist
         self._torch = torch
 

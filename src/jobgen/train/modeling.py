@@ -10,12 +10,25 @@ model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from jobgen.job.models import Training
 from jobgen.errors import UserError
 
 log = logging.getLogger("jobgen.train")
+
+
+def keep_bitsandbytes_out(method: str) -> None:
+    """Unless the job is qlora, this process imports bitsandbytes never again, as if it were not
+    installed; call it before anything imports peft. peft imports bitsandbytes whenever it is
+    installed (`import peft` runs `peft.helpers`), and that import logs on every rank, e.g. "Failed
+    to load CPU gemm_4bit_forward from kernels-community" on a CPU with AVX-512 BF16: a warning
+    about kernels that only a 4-bit model uses, and seconds of start-up. A qlora job imports it
+    and shows whatever it says. A process runs one job, so this holds for the process."""
+    if method != "qlora" and "bitsandbytes" not in sys.modules:
+        # A None entry makes `import bitsandbytes` raise ImportError, and find_spec say it is absent.
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 def torch_dtype(precision: str) -> Any:
     import torch
 

@@ -37,7 +37,7 @@ from jobgen.rundir.files import FINAL_MODEL
 from jobgen.train.exit_report import ExitReport
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.job.model_reference import check_model_reference
-from jobgen.train.modeling import load_model, load_tokenizer
+from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
 
 log = logging.getLogger("jobgen.train")
@@ -179,6 +179,7 @@ class Trainer:
     def run(self) -> None:
         clock = self.clock
         clock.mark("start and job check")
+        keep_bitsandbytes_out(self.t.method)
         import deepspeed
         import torch
         import transformers  # noqa: F401 - imported here, so that "imports" holds every import
@@ -188,7 +189,13 @@ class Trainer:
 
         clock.mark("imports")
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        dist = self.dist = Distributed(self.info, self.p.placement)
+        timeout = self.p.job.launch.collective_timeout_minutes
+        dist = self.dist = Distributed(self.info, self.p.placement, timeout)
+        if dist.is_main:
+            log.info("process group: %d ranks over %s; a collective fails after %d min (launch.collective_timeout_minutes)",
+                     dist.world_size, dist.backend, timeout)
+            if "JOBGEN_PG_TIMEOUT_MINUTES" in os.environ:  # what set it before the job's field
+                log.warning("JOBGEN_PG_TIMEOUT_MINUTES is set but no longer read: set launch.collective_timeout_minutes in the job")
         t = self.t
         os.makedirs(self.p.output_dir, exist_ok=True)
         store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
