@@ -80,7 +80,7 @@ def test_a_typo_is_refused_with_the_closest_existing_name(tmp_path: Path) -> Non
         ("data.json", '[\n {"conversations": []}\n {"conversations": []}\n]\n',
          "data.json: not valid JSON at line 3 column 2: Expecting ',' delimiter"),
         ("data.json", '[{"id": "a", "conversations": [{"from": "bot", "value": "x"}]}]',
-         "data.json: item 0 (id 'a'): conversations[0].from is 'bot'; expected one of user, assistant, system"),
+         "data.json: record 0 (id 'a'): conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system"),
         ("data.json", '[{"id": "caf\xe9", "conversations": []}]', "data.json: not UTF-8 text: byte 0xe9 at line 1, column 13; save the file as UTF-8"),
     ],
     ids=["jsonl", "json array", "wrong role", "latin-1"],
@@ -172,21 +172,26 @@ def test_a_big_data_file_is_checked_in_its_first_part_and_says_so(tmp_path: Path
 
 TEXT = st.text(max_size=30)  # quotes, backslashes and non-ASCII, so cuts land inside escapes too
 OTHER = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-CONVERSATIONS = st.lists(
+# One conversation in each format the trainer reads (jobgen.job.conversations).
+SHAPES = {
+    "sharegpt": lambda question, answer: {"conversations": [{"from": "user", "value": question}, {"from": "assistant", "value": answer}]},
+    "openai": lambda question, answer: {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]},
+    "alpaca": lambda question, answer: {"instruction": question, "input": "", "output": answer},
+}
+CONVERSATIONS = st.sampled_from(sorted(SHAPES)).flatmap(lambda data_format: st.lists(
     st.builds(
-        lambda id_, question, answer, other: {"id": id_, "other": other, "conversations": [
-            {"from": "user", "value": question}, {"from": "assistant", "value": answer}]},
+        lambda id_, question, answer, other: {"id": id_, "other": other, **SHAPES[data_format](question, answer)},
         st.integers(0, 10**6) | TEXT, TEXT, TEXT, OTHER,  # other: true, null and 1.5e-07 can be cut too
     ),
     min_size=1,
     max_size=20,
-)
+))
 
 
 @settings(max_examples=300, deadline=None)
 @given(items=CONVERSATIONS, layout=st.sampled_from(["array", "indented", "jsonl"]), ascii_only=st.booleans(), data=st.data())
 def test_a_cut_anywhere_in_good_data_is_never_taken_for_a_mistake(tmp_path_factory, items, layout, ascii_only, data) -> None:
-    # The first part of a big file ends mid-item; only what the cut splits may go unchecked.
+    # The first part of a big file ends mid-item, in any format; only what the cut splits may go unchecked.
     if layout == "jsonl":  # as json.dumps writes it by default: the trainer splits lines at U+2028 too
         text = "".join(json.dumps(item) + "\n" for item in items)
     else:

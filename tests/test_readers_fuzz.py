@@ -18,7 +18,9 @@ from jobgen.script import render as render_module
 from jobgen.job.layers import apply_override, load_site, resolve_job
 from jobgen.errors import JobgenError
 from jobgen.job.models import Job
-from jobgen.job.conversations import ROLES, check_conversations_head, load_conversations
+from jobgen.job.conversations import (
+    FORMATS, OPENAI_ROLES, SHAREGPT_ROLES, TOOL_ROLES, check_conversations, check_conversations_head, load_conversations,
+)
 from jobgen.errors import UserError
 from tests.helpers import REPO, jobgen
 
@@ -212,8 +214,34 @@ def monkeypatch_module(tmp_path_factory):
 
 # --- conversation data (jobgen.train.data) -------------------------------------------------------
 
-TURN = st.fixed_dictionaries({}, optional={"from": st.sampled_from([*ROLES, "bot"]) | VALUES, "value": st.text(max_size=8) | VALUES})
-ITEM = st.fixed_dictionaries({}, optional={"id": VALUES, "conversations": st.lists(TURN | VALUES, max_size=3) | VALUES}) | VALUES
+TEXT = st.text(max_size=8)
+ROLE = st.sampled_from([*SHAREGPT_ROLES, *OPENAI_ROLES, *TOOL_ROLES, "bot"])
+TURN = st.fixed_dictionaries({}, optional={"from": ROLE | VALUES, "value": TEXT | VALUES, "role": ROLE})
+MESSAGE = st.fixed_dictionaries({}, optional={
+    "role": ROLE | VALUES, "content": TEXT | VALUES, "tool_calls": VALUES, "weight": st.sampled_from([0, 1, 0.5, True]) | VALUES,
+    "from": ROLE,
+})
+# Items of each format, of no format and of several, with every field right or wrong.
+ITEM = st.fixed_dictionaries({}, optional={
+    "id": VALUES,
+    "conversations": st.lists(TURN | VALUES, max_size=3) | VALUES,
+    "messages": st.lists(MESSAGE | VALUES, max_size=3) | VALUES,
+    "instruction": TEXT | VALUES,
+    "input": TEXT | VALUES,
+    "output": TEXT | VALUES,
+    "system": TEXT | VALUES,
+    "history": st.lists(st.lists(TEXT, max_size=3) | VALUES, max_size=2) | VALUES,
+    "tools": VALUES,
+}) | VALUES
+# And good items of each format, so that files of one format, of mixed ones and of good and bad
+# items come up too.
+GOOD_ITEM = st.one_of(
+    st.builds(lambda user, q, bot, a: {"conversations": [{"from": user, "value": q}, {"from": bot, "value": a}]},
+              st.sampled_from(["human", "user"]), TEXT, st.sampled_from(["gpt", "assistant"]), TEXT),
+    st.builds(lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}, TEXT, TEXT),
+    st.builds(lambda q, i, a: {"instruction": q, "input": i, "output": a}, TEXT, TEXT, TEXT),
+)
+DATA_FORMAT = st.sampled_from(["auto", *FORMATS])
 
 
 def as_data(items: list, jsonl: bool) -> bytes:
@@ -222,14 +250,29 @@ def as_data(items: list, jsonl: bool) -> bytes:
     return json.dumps(items).encode()
 
 
-def read_data(path: Path, content: bytes) -> None:
+def read_data(path: Path, content: bytes, data_format: str = "auto") -> None:
     path.write_bytes(content)
-    for read in (lambda: load_conversations(str(path)), lambda: check_conversations_head(str(path), 64)):
+    for read in (lambda: load_conversations(str(path), data_format), lambda: check_conversations_head(str(path), 64, data_format)):
         try:
             read()
         except UserError as error:
             message = str(error)
             assert "\n" not in message and message.startswith((str(path), "training.data: ")), message
+    # What `jobgen validate` lists: one line per bad item, each naming the file; the trainer's
+    # reader stops at the first of them.
+    try:
+        check = check_conversations(str(path), data_format, max_problems=2)
+    except UserError as error:
+        assert "\n" not in str(error)
+        return
+    for line in check.problem_lines(str(path)):
+        assert "\n" not in line and line.startswith(f"{path}: "), line
+    if check.problems:
+        with pytest.raises(UserError) as info:
+            load_conversations(str(path), data_format)
+        assert str(info.value) == check.problems[0]
+    else:
+        assert len(load_conversations(str(path), data_format)) == check.good == check.records
 
 
 @FUZZ
@@ -245,9 +288,9 @@ def test_data_of_any_text(folder: Path, content: str) -> None:
 
 
 @FUZZ
-@given(items=st.lists(ITEM, max_size=4), jsonl=st.booleans())
-def test_data_of_any_json_shape(folder: Path, items: list, jsonl: bool) -> None:
-    read_data(folder / "shapes.json", as_data(items, jsonl))
+@given(items=st.lists(ITEM | GOOD_ITEM, max_size=4), jsonl=st.booleans(), data_format=DATA_FORMAT)
+def test_data_of_any_json_shape(folder: Path, items: list, jsonl: bool, data_format: str) -> None:
+    read_data(folder / "shapes.json", as_data(items, jsonl), data_format)
 
 
 def test_data_nested_or_numbered_beyond_what_json_reads_is_refused(folder: Path) -> None:

@@ -29,16 +29,16 @@ def _write(tmp_path, items, name="data.json"):
     "item, expected",
     [
         ({"id": "a", "conversations": [{"from": "bot", "value": "x"}]},
-         "item 1 (id 'a'): conversations[0].from is 'bot'; expected one of user, assistant, system"),
-        ({"id": "a", "conversations": []}, "item 1 (id 'a'): 'conversations' is empty"),
-        ({"id": "a", "conversations": "hi"}, "item 1 (id 'a'): 'conversations' must be a list, got str"),
+         "record 1 (id 'a'): conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system"),
+        ({"id": "a", "conversations": []}, "record 1 (id 'a'): 'conversations' is empty"),
+        ({"id": "a", "conversations": "hi"}, "record 1 (id 'a'): 'conversations' must be a list, got str"),
         ({"id": "a", "conversations": [{"from": "user", "value": 3}]},
-         "item 1 (id 'a'): conversations[0].value must be a string, got int"),
-        ({"id": "a"}, "item 1 (id 'a'): missing field 'conversations'"),
-        ({"id": "a", "conversations": [{"from": "user", "value": "q"}]}, "item 1 (id 'a'): no assistant turn"),
+         "record 1 (id 'a'): conversations[0].value must be a string, got int"),
+        ({"id": "a"}, "record 1 (id 'a'): missing field 'conversations'"),
+        ({"id": "a", "conversations": [{"from": "user", "value": "q"}]}, "record 1 (id 'a'): no assistant turn"),
         ({"id": "a", "conversations": GOOD_TURNS + [{"from": "system", "value": "s"}]},
          "conversations[2] is a system turn; a system turn may only come first"),
-        (["not", "an", "object"], "item 1: expected an object with 'conversations', got list"),
+        (["not", "an", "object"], "record 1: expected an object with 'conversations', got list"),
     ],
 )
 def test_malformed_conversation_names_file_item_and_field(tmp_path, item, expected):

@@ -1,23 +1,53 @@
-"""Conversation data as a user gives it: read, and every item checked, without torch.
+"""Conversation data as a user gives it: read, and every record checked, without torch.
 
-Input is a JSON array or JSONL of items `{"id": ..., "conversations": [{"from": ROLE, "value":
-TEXT}, ...]}` with ROLE one of user, assistant, system (system only as the first turn). Every item
-is checked before anything distributed starts (the trainer) or before the queue (`jobgen
-validate`), and a problem is one line naming the file, the item index (and id) and the field.
+A file is a JSON array or JSONL of records in one of these formats (`training.data_format`, `auto`
+by default, detects it from the records' fields; `sharegpt`, `openai` or `alpaca` forces it):
+
+    sharegpt  {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
+               "system": "optional"}   `from`: human or user, gpt or assistant, system
+    openai    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}
+    alpaca    {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}
+
+Each becomes a Conversation: a system prompt (the record's, else DEFAULT_SYSTEM_PROMPT) and the
+user and assistant turns in order. Alpaca's user turn is the instruction, a blank line and the
+input (the instruction alone when the input is empty), as the Alpaca template joins them; its
+assistant turn is the output (LLaMA-Factory's `history`, earlier [instruction, output] pairs,
+comes first). Tool turns, tool calls and tool definitions are refused: the ChatML layout the
+trainer writes (jobgen.train.data) has no place for them yet.
+
+Auto-detection: a record is in the format whose field it has (`conversations`, `messages`,
+`instruction`); the file is in the format of its first record that has exactly one. A record with
+the fields of two formats, a record of another format than the file's (one format per file) and a
+record with none are refused. Every problem is one line naming the file, the record index (and
+id) and the field, and where the file's format matters, which record it was detected from.
+
+The trainer reads the whole file and stops at the first problem (load_conversations); the login
+node's checks (`jobgen validate`, jobgen.job.preflight) list every bad record, up to a count
+(check_conversations), of the whole file or, for a big one, of the records in its first part.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 from jobgen.errors import UserError
 from jobgen.job.textfile import file_not_utf8_message
 
-ROLES = ("user", "assistant", "system")
+ROLES = ("user", "assistant", "system")  # what a Conversation holds: user and assistant turns, a system prompt
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+FORMATS = ("sharegpt", "openai", "alpaca")  # training.data_format: these, or auto
+# The field a record of each format has, by which it is detected.
+FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction"}
+# ShareGPT's `from` as its writers spell it (the original ShareGPT dumps, FastChat, LLaMA-Factory).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+OPENAI_ROLES = ("system", "user", "assistant")
+# Roles of tool results and calls in the formats' writers (OpenAI, LLaMA-Factory, Llama 3).
+TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
+NO_TOOLS = "tools are not supported yet (the ChatML layout jobgen trains in has no place for them)"
+MAX_PROBLEMS = 20  # bad records `jobgen validate` lists one by one; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -27,21 +57,87 @@ class Conversation:
     turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
 
 
-def load_conversations(path: str) -> list[Conversation]:
-    """Read and check every item; raises UserError naming the first problem found."""
-    items = _parse(path, _read_text(path))
-    if not items:
+@dataclass
+class DataCheck:
+    """What check_conversations found: the records read, the file's format and where it came from
+    (`training.data_format` or the record it was detected from), and the problems, one line each."""
+
+    records: int = 0
+    good: int = 0  # records that read as conversations
+    format: Optional[str] = None
+    format_source: str = ""
+    problems: list[str] = field(default_factory=list)  # the first `max_problems`
+    more_problems: int = 0  # problems past those
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.problems) + self.more_problems
+
+    def problem_lines(self, path: str) -> list[str]:
+        """The problems, and a last line counting those not listed."""
+        if not self.more_problems:
+            return list(self.problems)
+        return self.problems + [
+            f"{path}: {self.more_problems} more bad records ({self.problem_count} in all; the first {len(self.problems)} are above)"
+        ]
+
+
+def load_conversations(path: str, data_format: str = "auto") -> list[Conversation]:
+    """Read and check every record; raises UserError naming the first problem found (the trainer)."""
+    records = _parse(path, _read_text(path))
+    if not records:
         raise UserError(f"{path}: no conversations in the file")
-    return [_check_item(path, index, item) for index, item in enumerate(items)]
+    fmt = _file_format(records, data_format)
+    conversations = []
+    for index, record in enumerate(records):
+        result = _read_record(path, index, record, fmt)
+        if isinstance(result, _Problem):
+            raise UserError(result.message)
+        conversations.append(result)
+    return conversations
 
 
-def check_conversations_head(path: str, max_chars: int) -> int:
-    """load_conversations' checks on the items that begin and end in the first `max_chars`
+def check_conversations(
+    path: str, data_format: str = "auto", max_chars: int = -1, max_problems: int = MAX_PROBLEMS
+) -> DataCheck:
+    """load_conversations' checks, going on past a bad record to list every one (up to `max_problems`,
+    the rest counted). With `max_chars`, only the records that begin and end in the file's first
+    `max_chars` characters are read, for a file too big to read whole where it is checked. A
+    problem with the file itself (missing, not UTF-8, not a JSON array) is a UserError."""
+    text = _read_text(path, max_chars)
+    records = _parse(path, text) if max_chars < 0 else _parse_head(path, text)
+    fmt = _file_format(records, data_format)
+    check = DataCheck(records=len(records), format=fmt.name, format_source=fmt.source)
+    if not records and max_chars < 0:
+        check.problems.append(f"{path}: no conversations in the file")
+    for index, record in enumerate(records):
+        result = _read_record(path, index, record, fmt)
+        if not isinstance(result, _Problem):
+            check.good += 1
+        elif len(check.problems) < max_problems:
+            check.problems.append(result.message)
+        else:
+            check.more_problems += 1
+    return check
+
+
+def check_conversations_head(path: str, max_chars: int, data_format: str = "auto") -> int:
+    """load_conversations' checks on the records that begin and end in the first `max_chars`
     characters, for a file too big to read whole where it is checked; returns how many there were."""
-    items = _parse_head(path, _read_text(path, max_chars))
-    for index, item in enumerate(items):
-        _check_item(path, index, item)
-    return len(items)
+    check = check_conversations(path, data_format, max_chars, max_problems=1)
+    if check.problems:
+        raise UserError(check.problems[0])
+    return check.records
+
+
+# --- reading the file -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A record that cannot be read (a JSONL line that is not JSON, or a record that fails a check)."""
+
+    message: str
 
 
 def _read_text(path: str, max_chars: int = -1) -> str:
@@ -59,49 +155,54 @@ def _read_text(path: str, max_chars: int = -1) -> str:
 
 
 def _parse(path: str, text: str) -> list[Any]:
+    """The records of a JSON array (a UserError if it is not valid JSON), or of JSONL, where a line
+    that is not JSON is a _Problem in its place, so the lines after it are checked too."""
     if text.lstrip().startswith("["):
         try:
-            items = json.loads(text)
+            records = json.loads(text)
         except (ValueError, RecursionError) as exc:
             raise _not_json(path, exc) from None
-        return items
-    items = []
+        return records
+    records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            items.append(json.loads(line))
+            records.append(json.loads(line))
         except (ValueError, RecursionError) as exc:
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else _reason(exc)
-            raise UserError(f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line") from None
-    return items
+            message = f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line"
+            if not records:  # not JSONL at all (a JSON object over several lines, say): one line, not one per line
+                raise UserError(message) from None
+            records.append(_Problem(message))
+    return records
 
 
 def _parse_head(path: str, text: str) -> list[Any]:
-    """_parse on the start of a file, leaving out the item that the cut splits."""
+    """_parse on the start of a file, leaving out the record that the cut splits."""
     if not text.lstrip().startswith("["):
         return _parse(path, text[: text.rfind("\n") + 1])
     decoder = json.JSONDecoder()
-    items: list[Any] = []
+    records: list[Any] = []
     position = text.index("[") + 1
     while True:
         position = _skip_json_space(text, position)
         if position == len(text) or text[position] == "]":
-            return items
+            return records
         try:
-            item, position = decoder.raw_decode(text, position)
+            record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as exc:
             # An error within a few characters of the cut, or a string running into it, is the
             # cut itself; a real one there is left to the trainer, which reads the whole file.
             if len(text) - exc.pos <= 8 or exc.msg.startswith("Unterminated string"):
-                return items
+                return records
             raise _not_json(path, exc) from None
         except (ValueError, RecursionError) as exc:
             raise _not_json(path, exc) from None
-        items.append(item)
+        records.append(record)
         position = _skip_json_space(text, position)
         if position == len(text) or text[position] == "]":
-            return items
+            return records
         if text[position] != ",":
             raise _not_json(path, json.JSONDecodeError("Expecting ',' delimiter", text, position))
         position += 1
@@ -126,38 +227,252 @@ def _reason(exc: Exception) -> str:
     return str(exc).split(";")[0]
 
 
-def _check_item(path: str, index: int, item: Any) -> Conversation:
-    where = f"{path}: item {index}"
-    if not isinstance(item, dict):
-        raise UserError(f"{where}: expected an object with 'conversations', got {type(item).__name__}")
-    raw_id = item.get("id", str(index))
-    if not isinstance(raw_id, (str, int)):
-        raise UserError(f"{where}: 'id' must be a string or an integer, got {type(raw_id).__name__}")
-    where = f"{path}: item {index} (id {str(raw_id)!r})"
-    turns = item.get("conversations")
-    if turns is None:
-        raise UserError(f"{where}: missing field 'conversations'")
-    if not isinstance(turns, list):
-        raise UserError(f"{where}: 'conversations' must be a list, got {type(turns).__name__}")
-    if not turns:
-        raise UserError(f"{where}: 'conversations' is empty")
-    system = DEFAULT_SYSTEM_PROMPT
-    checked: list[tuple[str, str]] = []
+# --- the format: forced, or detected from the records ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FileFormat:
+    name: Optional[str]  # None: auto, and no record has the fields of exactly one format
+    forced: bool
+    source: str  # "training.data_format is openai", or "detected from record 3 (id 'x')"
+
+    def said(self) -> str:
+        """`the file is openai, detected from record 0 (id 'a')`, for the end of a message."""
+        if self.forced:
+            return self.source
+        return f"the file is {self.name}, {self.source}"
+
+
+def _file_format(records: list[Any], data_format: str) -> _FileFormat:
+    if data_format != "auto":
+        if data_format not in FORMATS:  # the job model allows only these; a direct caller may not
+            raise UserError(f"training.data_format is {data_format!r}; expected auto or one of {', '.join(FORMATS)}")
+        return _FileFormat(data_format, True, f"training.data_format is {data_format}")
+    for index, record in enumerate(records):
+        fits = _formats_of(record)
+        if len(fits) == 1:
+            return _FileFormat(fits[0], False, f"detected from {_label(index, record)}")
+    return _FileFormat(None, False, "")
+
+
+def _formats_of(record: Any) -> list[str]:
+    if not isinstance(record, dict):
+        return []
+    return [name for name in FORMATS if FORMAT_FIELDS[name] in record]
+
+
+def _label(index: int, record: Any) -> str:
+    """`record 3 (id 'x')`, or `record 3` for a record without a usable id."""
+    raw_id = record.get("id") if isinstance(record, dict) else None
+    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool):
+        return f"record {index} (id {str(raw_id)!r})"
+    return f"record {index}"
+
+
+def _fields_of(fits: list[str]) -> str:
+    return " and ".join(f"'{FORMAT_FIELDS[name]}' ({name})" for name in fits)
+
+
+def _keys_of(record: dict) -> str:
+    if not record:
+        return "; it has no fields"
+    keys = [repr(key[:30]) for key in list(record)[:6]]
+    return f"; it has {', '.join(keys)}{', ...' if len(record) > 6 else ''}"
+
+
+EXPECTED_FIELDS = "'conversations' (sharegpt), 'messages' (openai) or 'instruction' and 'output' (alpaca)"
+
+
+# --- one record -----------------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """A check failed; the message is the whole line."""
+
+
+def _read_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Union[Conversation, _Problem]:
+    if isinstance(record, _Problem):
+        return record
+    try:
+        return _check_record(path, index, record, fmt)
+    except _Bad as bad:
+        return _Problem(str(bad))
+
+
+def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Conversation:
+    where = f"{path}: record {index}"
+    if not isinstance(record, dict):
+        expected = f"an object with '{FORMAT_FIELDS[fmt.name]}'" if fmt.name else f"an object with {EXPECTED_FIELDS}"
+        said = f" ({fmt.said()})" if fmt.name else ""
+        raise _Bad(f"{where}: expected {expected}, got {type(record).__name__}{said}")
+    raw_id = record.get("id", str(index))
+    if not isinstance(raw_id, (str, int)) or isinstance(raw_id, bool):
+        raise _Bad(f"{where}: 'id' must be a string or an integer, got {type(raw_id).__name__}")
+    where = f"{path}: {_label(index, record)}"
+    kind = _kind_of(where, record, fmt)
+    if kind == "sharegpt":
+        system, turns = _sharegpt(where, record)
+    elif kind == "openai":
+        system, turns = _openai(where, record)
+    else:
+        system, turns = _alpaca(where, record)
+    if not any(role == "assistant" for role, _ in turns):
+        raise _Bad(f"{where}: no assistant turn, so nothing to learn from it")
+    return Conversation(id=str(raw_id), system=DEFAULT_SYSTEM_PROMPT if system is None else system, turns=tuple(turns))
+
+
+def _kind_of(where: str, record: dict, fmt: _FileFormat) -> str:
+    """The format to read `record` in: the forced one, else the one whose field it has, which must be
+    the file's."""
+    fits = _formats_of(record)
+    if fmt.forced:
+        if FORMAT_FIELDS[fmt.name] not in record:
+            other = f"; it has {_fields_of(fits)}" if fits else _keys_of(record)
+            raise _Bad(f"{where}: missing field '{FORMAT_FIELDS[fmt.name]}' ({fmt.said()}){other}")
+        return fmt.name
+    if len(fits) > 1:
+        raise _Bad(
+            f"{where}: has {_fields_of(fits)}, the fields of {len(fits)} formats; set training.data_format to say which to read"
+        )
+    if not fits:
+        if fmt.name is None:
+            raise _Bad(f"{where}: fits no format: expected {EXPECTED_FIELDS}{_keys_of(record)}")
+        raise _Bad(f"{where}: missing field '{FORMAT_FIELDS[fmt.name]}' ({fmt.said()}); it fits no format{_keys_of(record)}")
+    if fits[0] != fmt.name:
+        raise _Bad(
+            f"{where}: field '{FORMAT_FIELDS[fits[0]]}' is the {fits[0]} format, but {fmt.said()}; "
+            "one format per file"
+        )
+    return fits[0]
+
+
+Turns = list[tuple[str, str]]
+
+
+def _list_field(where: str, record: dict, name: str) -> list:
+    value = record[name]
+    if not isinstance(value, list):
+        raise _Bad(f"{where}: '{name}' must be a list, got {type(value).__name__}")
+    if not value:
+        raise _Bad(f"{where}: '{name}' is empty")
+    return value
+
+
+def _optional_text(where: str, record: dict, name: str) -> Optional[str]:
+    value = record.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _Bad(f"{where}: '{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _no_tool_definitions(where: str, record: dict) -> None:
+    for name in ("tools", "functions"):
+        if record.get(name):
+            raise _Bad(f"{where}: '{name}' gives tool definitions; {NO_TOOLS}")
+
+
+def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns]:
+    turns = _list_field(where, record, "conversations")
+    _no_tool_definitions(where, record)
+    system = _optional_text(where, record, "system")
+    checked: Turns = []
     for position, turn in enumerate(turns):
-        field = f"conversations[{position}]"
+        name = f"conversations[{position}]"
         if not isinstance(turn, dict):
-            raise UserError(f"{where}: {field} must be an object with 'from' and 'value', got {type(turn).__name__}")
+            raise _Bad(f"{where}: {name} must be an object with 'from' and 'value', got {type(turn).__name__}")
+        if "from" not in turn and "role" in turn:
+            raise _Bad(
+                f"{where}: {name} has 'role', as an OpenAI message; a ShareGPT turn has 'from' and 'value' "
+                "(a list of OpenAI messages is named 'messages')"
+            )
         role, value = turn.get("from"), turn.get("value")
-        if role not in ROLES:
-            raise UserError(f"{where}: {field}.from is {role!r}; expected one of {', '.join(ROLES)}")
+        if isinstance(role, str) and role in TOOL_ROLES:
+            raise _Bad(f"{where}: {name}.from is {role!r}: {NO_TOOLS}")
+        if not isinstance(role, str) or role not in SHAREGPT_ROLES:
+            raise _Bad(f"{where}: {name}.from is {_short(role)}; expected one of {', '.join(SHAREGPT_ROLES)}")
         if not isinstance(value, str):
-            raise UserError(f"{where}: {field}.value must be a string, got {type(value).__name__}")
+            raise _Bad(f"{where}: {name}.value must be a string, got {type(value).__name__}")
+        role = SHAREGPT_ROLES[role]
         if role == "system":
             if position != 0:
-                raise UserError(f"{where}: {field} is a system turn; a system turn may only come first")
+                raise _Bad(f"{where}: {name} is a system turn; a system turn may only come first")
+            if system is not None:
+                raise _Bad(f"{where}: {name} is a system turn, and the record has a 'system' field too; give one")
             system = value
             continue
         checked.append((role, value))
-    if not any(role == "assistant" for role, _ in checked):
-        raise UserError(f"{where}: no assistant turn, so nothing to learn from it")
-    return Conversation(id=str(raw_id), system=system, turns=tuple(checked))
+    return system, checked
+
+
+def _openai(where: str, record: dict) -> tuple[Optional[str], Turns]:
+    messages = _list_field(where, record, "messages")
+    _no_tool_definitions(where, record)
+    system: Optional[str] = None
+    checked: Turns = []
+    for position, message in enumerate(messages):
+        name = f"messages[{position}]"
+        if not isinstance(message, dict):
+            raise _Bad(f"{where}: {name} must be an object with 'role' and 'content', got {type(message).__name__}")
+        if "role" not in message and "from" in message:
+            raise _Bad(
+                f"{where}: {name} has 'from', as a ShareGPT turn; an OpenAI message has 'role' and 'content' "
+                "(a list of ShareGPT turns is named 'conversations')"
+            )
+        for key in ("tool_calls", "function_call"):
+            if message.get(key):
+                raise _Bad(f"{where}: {name} has '{key}': {NO_TOOLS}")
+        role, content = message.get("role"), message.get("content")
+        if isinstance(role, str) and role in TOOL_ROLES:
+            raise _Bad(f"{where}: {name}.role is {role!r}: {NO_TOOLS}")
+        if not isinstance(role, str) or role not in OPENAI_ROLES:
+            raise _Bad(f"{where}: {name}.role is {_short(role)}; expected one of {', '.join(OPENAI_ROLES)}")
+        if "weight" in message:
+            weight = message["weight"]
+            if weight == 0 and not isinstance(weight, bool):
+                raise _Bad(
+                    f"{where}: {name}.weight is 0: a message that is not learned is not supported yet; "
+                    "remove the weight to learn it, or the message"
+                )
+            if weight != 1 or isinstance(weight, bool):
+                raise _Bad(f"{where}: {name}.weight is {_short(weight)}; expected 0 or 1")
+        if isinstance(content, list):
+            raise _Bad(f"{where}: {name}.content is a list of content parts; give the text as one string")
+        if not isinstance(content, str):
+            raise _Bad(f"{where}: {name}.content must be a string, got {type(content).__name__}")
+        if role == "system":
+            if position != 0:
+                raise _Bad(f"{where}: {name} is a system message; a system message may only come first")
+            system = content
+            continue
+        checked.append((role, content))
+    return system, checked
+
+
+def _alpaca(where: str, record: dict) -> tuple[Optional[str], Turns]:
+    instruction = record["instruction"]
+    if not isinstance(instruction, str):
+        raise _Bad(f"{where}: 'instruction' must be a string, got {type(instruction).__name__}")
+    if "output" not in record:
+        raise _Bad(f"{where}: missing field 'output' (an alpaca record has 'instruction', 'output' and optionally 'input')")
+    output = record["output"]
+    if not isinstance(output, str):
+        raise _Bad(f"{where}: 'output' must be a string, got {type(output).__name__}")
+    extra = _optional_text(where, record, "input")
+    system = _optional_text(where, record, "system")
+    checked: Turns = []
+    history = record.get("history")
+    if history is not None:
+        if not isinstance(history, list):
+            raise _Bad(f"{where}: 'history' must be a list of [instruction, output] pairs, got {type(history).__name__}")
+        for position, pair in enumerate(history):
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(text, str) for text in pair)):
+                raise _Bad(f"{where}: history[{position}] must be a pair of strings [instruction, output]")
+            checked += [("user", pair[0]), ("assistant", pair[1])]
+    prompt = "\n\n".join(text for text in (instruction, extra) if text)
+    checked += [("user", prompt), ("assistant", output)]
+    return system, checked
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

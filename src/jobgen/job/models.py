@@ -363,6 +363,12 @@ class Training(_Strict):
 
     model: str = Field(..., description="local path or hub name of a causal LM")
     data: str = Field(..., description="JSON array or JSONL of conversations")
+    data_format: Literal["auto", "sharegpt", "openai", "alpaca"] = Field(
+        "auto",
+        description="the records' format: sharegpt ({'conversations': [{'from', 'value'}]}), openai ({'messages': "
+        "[{'role', 'content'}]}) or alpaca ({'instruction', 'input', 'output'}); auto detects it from the records' "
+        "fields (one format per file)",
+    )
     method: Literal["full", "lora", "qlora"] = "lora"
     zero_stage: Literal[2, 3] = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"

@@ -3,10 +3,12 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
 
 - Paths are resolved as the nodes resolve them: relative to `environment.workdir`, else to the
   directory jobgen runs in (the submit directory).
-- `training.data` must read as the trainer reads it, with the trainer's own code
-  (jobgen.train.data). A file of up to CHECK_WHOLE_BYTES is checked whole (under a second here);
-  of a bigger one, only the conversations in its first CHECK_WHOLE_BYTES characters, and a
-  warning says so: a multi-GB file must not hold the login node for minutes.
+- `training.data` must read as the trainer reads it, in `training.data_format`, with the trainer's
+  own code (jobgen.job.conversations); every bad record is listed, one line each, up to
+  MAX_PROBLEMS (the rest are counted), where the trainer stops at the first. A file of up to
+  CHECK_WHOLE_BYTES is checked whole (under a second here); of a bigger one, only the
+  conversations in its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB
+  file must not hold the login node for minutes.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
   must be a folder with config.json. A hub name is left to the nodes.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
@@ -47,7 +49,7 @@ def working_directory(job: Job) -> str:
 
 
 def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
-    from jobgen.job.conversations import check_conversations_head, load_conversations
+    from jobgen.job.conversations import check_conversations
     from jobgen.errors import UserError
 
     path = os.path.abspath(os.path.join(base, job.training.data))
@@ -62,16 +64,16 @@ def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
         return None
     try:
         if os.path.isfile(path) and os.path.getsize(path) > CHECK_WHOLE_BYTES:
-            count = check_conversations_head(path, CHECK_WHOLE_BYTES)
+            check = check_conversations(path, job.training.data_format, CHECK_WHOLE_BYTES)
             warnings.append(
-                f"training.data: {path!r} is {_size(os.path.getsize(path))}; only its first {count} conversations "
+                f"training.data: {path!r} is {_size(os.path.getsize(path))}; only its first {check.records} conversations "
                 f"(its first {_size(CHECK_WHOLE_BYTES)}) were checked here; the trainer checks them all"
             )
         else:
-            load_conversations(path)
+            check = check_conversations(path, job.training.data_format)
     except UserError as error:
         return str(error)
-    return None
+    return "\n".join(check.problem_lines(path)) or None
 
 
 def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:

@@ -47,6 +47,10 @@ log = logging.getLogger("jobgen.train")
 RESUME_SAFE_FIELDS = {
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
     "output_dir", "step_seconds_estimate", "async_save",
+    # A file reads as the same conversations whether its format is detected or named (a named
+    # format the file is not in is refused; only an item with two formats' fields, which auto
+    # refuses, reads differently as each), and checkpoints made before the field still resume.
+    "data_format",
 }
 
 
@@ -98,7 +102,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
-    conversations = load_conversations(resolved.data)
+    conversations = load_conversations(resolved.data, training.data_format)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
