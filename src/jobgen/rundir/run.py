@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.rundir import files as runfiles
+from jobgen.rundir.metrics import read_jsonl
 from jobgen.errors import JobgenError
 
 
@@ -36,7 +37,7 @@ def index_path() -> Path:
 
 
 def index_entries() -> list[dict[str, Any]]:
-    return _read_jsonl(index_path())
+    return read_jsonl(index_path())
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,10 @@ class RunDir:
         return self.path / runfiles.LOGS
 
     def submissions(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.path / runfiles.SUBMISSIONS)
+        return read_jsonl(self.path / runfiles.SUBMISSIONS)
 
     def segments(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.path / runfiles.SEGMENTS)
+        return read_jsonl(self.path / runfiles.SEGMENTS)
 
     def latest(self) -> dict[str, Any]:
         found = self.submissions()
@@ -117,18 +118,4 @@ def _append_jsonl(path: Path, entry: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         handle.write(json.dumps(entry) + "\n")
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    entries = []
-    for line in lines:
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a node that died mid-write: the rest still counts
-    return entries
 
