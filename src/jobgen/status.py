@@ -18,7 +18,10 @@ def collect(target: str) -> dict[str, Any]:
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
     state = _scheduler_state(latest) if latest else None
-    segments = attach_startups(killed_from_metrics(pair_segments(run.segments()), run.path), run.path)
+    segments = pair_segments(run.segments())
+    if latest and state and _has_finished(latest["scheduler"], state["state"]):
+        _close_open_segment(segments, latest["job_id"], run)
+    segments = attach_startups(killed_from_metrics(segments, run.path), run.path)
     return {
         "run_dir": str(run.path),
         "submissions": submissions,
@@ -42,6 +45,23 @@ def _scheduler_state(latest: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 KILLED = "killed by the scheduler"
+
+
+def _has_finished(scheduler_name: str, state: str) -> bool:
+    """The scheduler says the job has ended (a state it knows, and not one of a live job)."""
+    scheduler = get_scheduler(scheduler_name)
+    return bool(scheduler.active_states) and state != "UNKNOWN" and state.upper() not in scheduler.active_states
+
+
+def _close_open_segment(segments: list[dict[str, Any]], job_id: str, run: RunDir) -> None:
+    """The job has ended by the scheduler's word, but its last segment recorded no end: the
+    scheduler killed it faster than the script could say so (Torque's qdel: SIGKILL within
+    milliseconds). Its log stopped growing when it was killed."""
+    if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == job_id:
+        log = run.path / runfiles.batch_log(job_id)
+        last_output = log.stat().st_mtime if log.exists() else _epoch(segments[-1]["started_at"])
+        segments[-1]["outcome"] = KILLED
+        segments[-1]["next_started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output))
 
 
 def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,6 +31,10 @@ class PbsPro(Scheduler):
     # How pbsdsh picks the node to start a task on: PBS Pro's takes its index in the node list
     # (-n INDEX), Torque's its host name (-h HOST). The pbsdsh launcher reads this.
     pbsdsh_by_host = False
+    # How qstat shows a job: -x adds finished ones where the server keeps history (PBS Pro);
+    # the attribute that counts its starts (a rerun adds one).
+    qstat_commands: tuple[tuple[str, ...], ...] = (("qstat", "-f", "-x"), ("qstat", "-f"))
+    run_count_field = "run_count"
     option_fixes = {
         "-N": "set name in the job file instead",
         CHUNK_REQUEST: "put chunk resources in resources.chunk_resources",
@@ -102,12 +106,12 @@ class PbsPro(Scheduler):
 
     def state(self, job_id: str) -> Optional[JobState]:
         require("qstat", self.name)
-        # -x also shows finished jobs where the server keeps history (PBS Pro).
-        for argv in (["qstat", "-f", "-x", job_id], ["qstat", "-f", job_id]):
+        for command in self.qstat_commands:
+            argv = [*command, job_id]
             result = subprocess.run(argv, capture_output=True, text=True)
             if result.returncode == 0 and result.stdout.strip():
                 fields = _qstat_fields(result.stdout)
-                restarts = fields.get("run_count", "")
+                restarts = fields.get(self.run_count_field, "")
                 return JobState(
                     job_id=job_id,
                     state=fields.get("job_state", "?"),
@@ -138,13 +142,14 @@ def _resource_keys(flag: str, item: str) -> list[str]:
 
 
 def _qstat_fields(text: str) -> dict[str, str]:
-    """`qstat -f` prints `    key = value`, continuation lines indented further."""
+    """`qstat -f` prints `    key = value`; a long value goes on in lines that start with a tab,
+    which is not part of it (the text goes on exactly after it, a space included)."""
     fields: dict[str, str] = {}
     key = None
     for line in text.splitlines():
-        if " = " in line:
+        if line.startswith("\t") and key:
+            fields[key] += line[1:]
+        elif " = " in line:
             key, value = (part.strip() for part in line.split(" = ", 1))
             fields[key] = value
-        elif key and line.startswith("\t"):
-            fields[key] += line.strip()
-    return fields
+    return {name: value.strip() for name, value in fields.items()}
