@@ -285,7 +285,16 @@ def test_openpbs_an_express_job_preempts_a_training_that_resumes_exactly(openpbs
     assert first["outcome"] == "preempted" and second["outcome"] == "completed"
     assert second["first_step"] == first["last_step"] >= 2
     assert status(openpbs, folder, job_id)["scheduler_state"]["restarts"] == 1
-    assert f"jobgen: stopped (preempted) with a complete checkpoint at step {first['last_step']}" in logs(openpbs, folder, run_dir)
+    log = logs(openpbs, folder, run_dir)
+    assert f"jobgen: stopped (preempted) with a complete checkpoint at step {first['last_step']}" in log
+    assert "training failed" not in log
+    everything = "".join(p.read_text() for p in (run_dir / "logs").glob("*.out"))
+    assert "Traceback" not in everything
+    # What every rank prints (transformers' weight-loading progress) is in the node logs once,
+    # from rank 0; every rank's whole output is in its own log.
+    node0, node1, rank1 = (logs(openpbs, folder, run_dir, *option) for option in (("--node", "0"), ("--node", "1"), ("--rank", "1")))
+    assert node0.count("Loading weights: 100%") == 1 and "Loading weights" not in node1
+    assert "Loading weights: 100%" in rank1
     assert_secret_reached_every_node(run_dir, 2)
     assert_bitwise_equal(run_dir, reference)
 
@@ -362,25 +371,30 @@ def test_torque_at_its_walltime_a_training_continues_in_a_job_it_submits_and_end
     assert_bitwise_equal(run_dir, reference)
 
 
-def test_torque_a_failing_pbsdsh_task_is_reported_with_its_status_and_node(torque: PbsServer) -> None:
+@pytest.mark.parametrize("flavour,launcher", [("torque", "pbsdsh"), ("pbs", "pbsdsh"), ("pbs", "pbs_tmrsh")])
+def test_a_failing_node_is_reported_with_its_status_and_node(flavour: str, launcher: str, request) -> None:
     """Torque's pbsdsh exits 0 when its task failed: the batch log must say which node failed
     and how (126 here: what the node runs cannot be executed, as a venv's python the job's user
-    may not run)."""
-    folder = torque.folder("failing")
+    may not run), and the other node is ended."""
+    server: PbsServer = request.getfixturevalue("openpbs" if flavour == "pbs" else "torque")
+    folder = server.folder(f"failing-{launcher}")
     program = folder / "not-executable"
     program.write_text("#!/bin/sh\n")
     program.chmod(0o644)
-    job = probe("failing", [f"source {torque.venv}/bin/activate", f'if [[ $NODE_RANK == 1 ]]; then exec {program}; fi'])
-    job_id = submit(torque, folder, job, "qsub")
-    fields = finished(torque, job_id)
+    job = probe("failing", [f"source {server.venv}/bin/activate", f'if [[ $NODE_RANK == 1 ]]; then exec {program}; fi', "sleep 300"],
+                launcher=launcher)
+    started = time.time()
+    job_id = submit(server, folder, job, "qsub")
+    fields = finished(server, job_id)
+    assert time.time() - started < 120, "node 0 was not ended when node 1 failed"
     run_dir = run_dir_of(folder, job)
-    log = logs(torque, folder, run_dir)
+    log = logs(server, folder, run_dir)
     node1 = log.split(" on ", 1)[1].split(";")[0].split()[1]  # the nodefile's order: the second host is node 1
-    assert node1 in torque.nodes
+    assert node1 in server.nodes
     assert f"jobgen: node 1 ({node1}) exited with status 126: ending the other nodes" in log, log
     assert f"jobgen: training failed: the trainer left no report (node 1 ({node1}) exited with status 126)" in log
-    assert fields.get("exit_status", "126") == "126"
-    assert [s["outcome"] for s in status(torque, folder, str(run_dir))["segments"]] == ["failed"]
+    assert fields.get("exit_status", fields.get("Exit_status")) == "126"
+    assert [s["outcome"] for s in status(server, folder, str(run_dir))["segments"]] == ["failed"]
 
 
 def test_torque_a_model_file_the_job_user_cannot_read_is_refused_naming_the_user(torque: PbsServer, tiny: Path) -> None:
