@@ -33,7 +33,7 @@ from tests.cluster.pbs_servers import PbsServer
 
 MAX_STEPS = 12
 SAVE_INTERVAL = 4
-SECRET = "s3cret, with a comma, an = and spaces"  # PBS Pro's qsub -v mangles ' and \\ and refuses "
+SECRET = "s3cret, with a comma and spaces"  # what PBS Pro's qsub -v passes intact (see the refusal test)
 MODULE = "jobgen-test/1.0"
 GREETING = "it's $(not run)"
 # The node script records a hash of the secret it got, so the value itself is never written.
@@ -311,6 +311,18 @@ def test_openpbs_at_its_walltime_a_training_continues_in_a_job_it_submits_and_en
     assert "jobgen: continuation " in (folder / f"jobgen-test-walltime.o{first_id.split('.')[0]}").read_text()
     assert_secret_reached_every_node(run_dir, len(segments))
     assert_bitwise_equal(run_dir, reference)
+
+
+def test_openpbs_a_secret_its_qsub_would_change_is_refused_before_submitting(openpbs: PbsServer, tiny: Path) -> None:
+    # Seen on this server: a value with ' arrives as \ in the job, one with " is refused by qsub.
+    folder = openpbs.folder("quoted-secret")
+    job = lora_job(tiny, "quoted-secret", setup_lines(openpbs))
+    write_job(openpbs, folder, job)
+    result = jobgen_as(openpbs, folder, "submit", "-s", "pbs", "job.yaml", env={"JOBGEN_TEST_TOKEN": "it's"})
+    assert result.returncode != 0
+    assert ("environment.secrets: the value of JOBGEN_TEST_TOKEN has \"'\", which pbs's qsub -v does not pass on "
+            "intact: use a value without them, or a file the job reads") in result.stderr, result.stderr
+    assert not (run_dir_of(folder, job) / "submissions.jsonl").exists()
 
 
 # --- Torque -----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -99,10 +100,29 @@ class PbsPro(Scheduler):
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         require("qsub", self.name)
+        self.check_passable(job)
         job_id = run(["qsub", str(script)], f"{self.name} refused the job").strip()
         if not job_id:
             raise JobgenError("qsub printed no job id")
         return job_id
+
+    # What a value passed with `-v` does not survive on OpenPBS 23.06: its qsub refuses a double
+    # quote ("cannot send environment with the job"), writes a single quote and a backslash as a
+    # backslash and two, and reads a comma with an '=' after it as the start of another NAME=VALUE
+    # (and crashed in malloc on it).
+    unpassable = "'\"\\"
+
+    def check_passable(self, job: Job) -> None:
+        for name in job.environment.secrets:
+            value = os.environ.get(name, "")
+            bad = sorted({repr(c) for c in value if c in self.unpassable})
+            if self.unpassable and "," in value and "=" in value.split(",", 1)[1]:
+                bad.append("',' followed by '=' (read as a second NAME=VALUE; its qsub crashed on it)")
+            if bad:
+                raise JobgenError(
+                    f"environment.secrets: the value of {name} has {' and '.join(bad)}, which {self.name}'s qsub -v "
+                    "does not pass on intact: use a value without them, or a file the job reads"
+                )
 
     def state(self, job_id: str) -> Optional[JobState]:
         require("qstat", self.name)

@@ -20,6 +20,7 @@ class Torque(PbsPro):
     # Torque's `qstat -x` prints XML; it keeps finished jobs for keep_completed seconds, and
     # counts a job's starts in start_count.
     qstat_commands = (("qstat", "-f"),)
+    unpassable = ""  # not seen on Torque
     run_count_field = "start_count"
 
     def options(self, job: Job) -> list[str]:
