@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.helpers import jobgen
-from tests.processes import descendants, process_table, signal_all
+from tests.processes import descendants, signal_all
 
 FAKE_PBSDSH = r"""#!/bin/bash
 # pbsdsh -n K -- CMD... (PBS Pro) or pbsdsh -h HOST CMD... (Torque), as MoM runs a task: not a
@@ -125,29 +125,6 @@ def start_pbs_job(script: Path, env: dict[str, str], nodefile: list[str], workdi
     spool = open(env["FAKE_PBS_SPOOL"], "a")
     return subprocess.Popen(["bash", str(script)], cwd=folder, env=full_env, stdout=spool, stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def job_processes(batch: subprocess.Popen, env: dict[str, str]) -> list[int]:
-    """Every process of the job: the batch script's session, each task's, and all they started."""
-    table = process_table()
-    tasks_file = Path(env["FAKE_PBS_TASKS"])
-    tasks = [int(pid) for pid in tasks_file.read_text().split()] if tasks_file.exists() else []
-    return descendants([pid for pid, (_, pgid) in table.items() if pgid == batch.pid] + tasks, table)
-
-
-def preempt_like_mom(batch: subprocess.Popen, env: dict[str, str], kill_delay: float = 10) -> int:
-    """What MoM does to a preempted (or rerun) job: SIGTERM to every process of the job at once,
-    SIGKILL to whatever is left after the queue's kill_delay (10 s by default); the job has
-    ended (and may be rerun) only when none is left."""
-    processes = job_processes(batch, env)
-    signal_all(processes, signal.SIGTERM)
-    deadline = time.time() + kill_delay
-    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in processes):
-        batch.poll()
-        time.sleep(0.2)
-    killed = [pid for pid in processes if Path(f"/proc/{pid}").exists()]
-    signal_all(killed, signal.SIGKILL)
-    return batch.wait() if batch.pid not in killed else -signal.SIGKILL
 
 
 def run_pbs_script(tmp_path: Path, flavour: str, job: dict, nodefile: list[str], env: dict[str, str], timeout: int = 240):
