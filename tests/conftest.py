@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-pytest_plugins = ["tests.cluster.fixtures", "tests.local_run"]
+pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.pbs_servers", "tests.local_run"]
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ variables and the environment module the job loads, with Lmod and with Environme
 and a node that fails ends the job at once, every node with it, its status in the batch log.
 
 - srun: the four-node Slurm test cluster (tests/cluster).
-- pbsdsh, pbs_tmrsh: the fake PBS of tests/test_pbs_scripts.py, whose tasks start bare.
+- pbsdsh, pbs_tmrsh: the real OpenPBS and Torque servers (tests/test_pbs_servers.py); ssh and
+  mpiexec below run under the stand-in PBS of tests/test_pbs_scripts.py, whose tasks start bare.
 - ssh: an OpenSSH server on 127.0.0.1 that this module starts with its own host key and a client
   key it makes; the system's sshd and ~/.ssh are not used.
 - mpiexec: Debian's Open MPI and MPICH (hydra), installed side by side.
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from tests.helpers import cannot_run, jobgen
-from tests.test_pbs_scripts import fake_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (fake_pbs: a fixture)
+from tests.test_pbs_scripts import stand_in_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_job as slurm_probe_job
 from tests.test_slurm_submit import probe_records, submit_by_hand, wait_until_finished
 
@@ -125,7 +126,7 @@ class Mpi:
 
 
 @pytest.fixture(params=sorted(MPIEXEC))
-def mpi(request, tmp_path: Path, fake_pbs: dict) -> Mpi:
+def mpi(request, tmp_path: Path, stand_in_pbs: dict) -> Mpi:
     """PATH with this MPI's mpiexec first and, as root, Open MPI's consent to run as root: given by
     the test's environment, so the rendered script has nothing a real cluster would not want."""
     if not Path(MPIEXEC[request.param]).exists():
@@ -135,7 +136,7 @@ def mpi(request, tmp_path: Path, fake_pbs: dict) -> Mpi:
     # A script, not a link: hydra looks for its proxy beside the mpiexec it was started as.
     (bin_dir / "mpiexec").write_text(f'#!/bin/sh\nexec {MPIEXEC[request.param]} "$@"\n')
     (bin_dir / "mpiexec").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{fake_pbs['PATH']}"}
+    env = {"PATH": f"{bin_dir}:{stand_in_pbs['PATH']}"}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return Mpi(request.param, env)
@@ -188,26 +189,16 @@ def assert_no_node_outlives_the_job(run_dir: Path) -> None:
 # --- Every rank is wired, and has the job's module ---------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["pbsdsh", "pbs_tmrsh"])
-def test_fake_pbs_every_rank_has_the_module(launcher: str, module_system: dict, tmp_path: Path, fake_pbs: dict) -> None:
-    result = run_pbs_script(tmp_path, "pbs", pbs_job(launcher), TWO_NODES, {**fake_pbs, **module_system}, timeout=120)
-    run_dir = tmp_path / "runs" / "pbs-probe"
-    assert result.returncode == 0, batch_log(run_dir) + Path(fake_pbs["FAKE_PBS_SPOOL"]).read_text()
-    assert_every_rank_wired_with_the_module(run_dir, "127.0.0.1")
-    calls = Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines()
-    assert len(calls) == 2 and all(call.startswith("pbs_tmrsh 127.0.0.1 " if launcher == "pbs_tmrsh" else "-n ") for call in calls)
-
-
-def test_fake_pbs_ssh_every_rank_has_the_module(module_system: dict, sshd: list[str], tmp_path: Path, fake_pbs: dict) -> None:
-    result = run_pbs_script(tmp_path, "pbs", pbs_job("ssh", ssh_options=sshd), TWO_NODES, {**fake_pbs, **module_system}, timeout=120)
+def test_stand_in_pbs_ssh_every_rank_has_the_module(module_system: dict, sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
+    result = run_pbs_script(tmp_path, "pbs", pbs_job("ssh", ssh_options=sshd), TWO_NODES, {**stand_in_pbs, **module_system}, timeout=120)
     run_dir = tmp_path / "runs" / "pbs-probe"
     assert result.returncode == 0, batch_log(run_dir) + result.stdout
     assert_every_rank_wired_with_the_module(run_dir, "127.0.0.1")
     assert_no_node_outlives_the_job(run_dir)
 
 
-def test_fake_pbs_mpiexec_every_rank_has_the_module(mpi: Mpi, module_system: dict, tmp_path: Path, fake_pbs: dict) -> None:
-    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec"), TWO_NODES, {**fake_pbs, **module_system, **mpi.env}, timeout=120)
+def test_stand_in_pbs_mpiexec_every_rank_has_the_module(mpi: Mpi, module_system: dict, tmp_path: Path, stand_in_pbs: dict) -> None:
+    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec"), TWO_NODES, {**stand_in_pbs, **module_system, **mpi.env}, timeout=120)
     run_dir = tmp_path / "runs" / "pbs-probe"
     assert result.returncode == 0, batch_log(run_dir) + result.stdout
     assert_every_rank_wired_with_the_module(run_dir, "127.0.0.1")
@@ -216,10 +207,10 @@ def test_fake_pbs_mpiexec_every_rank_has_the_module(mpi: Mpi, module_system: dic
     assert hostfile == {"openmpi": "127.0.0.1 slots=2\n", "mpich": "127.0.0.1:2\n"}[mpi.name]
 
 
-def test_fake_pbs_an_mpiexec_jobgen_does_not_know_is_refused_in_one_line(tmp_path: Path, fake_pbs: dict) -> None:
+def test_stand_in_pbs_an_mpiexec_jobgen_does_not_know_is_refused_in_one_line(tmp_path: Path, stand_in_pbs: dict) -> None:
     # Debian's slurm-wlm-torque, for one, installs Slurm's own mpiexec wrapper as `mpiexec`.
     other = write_commands(tmp_path / "otherbin", {"mpiexec": "#!/bin/sh\necho 'Unknown option: version' >&2\nexit 1\n"})
-    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec", modules=()), TWO_NODES, {**fake_pbs, "PATH": f"{other}:{fake_pbs['PATH']}"}, timeout=60)
+    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec", modules=()), TWO_NODES, {**stand_in_pbs, "PATH": f"{other}:{stand_in_pbs['PATH']}"}, timeout=60)
     assert result.returncode == 2
     run_dir = tmp_path / "runs" / "pbs-probe"
     said = [line for line in batch_log(run_dir).splitlines() if "mpiexec on PATH" in line]
@@ -252,28 +243,17 @@ def assert_the_job_failed_for_node_1(run_dir: Path, status: int) -> str:
     return log
 
 
-@pytest.mark.parametrize("launcher", ["pbsdsh", "pbs_tmrsh"])
-def test_fake_pbs_a_failing_node_ends_the_job(launcher: str, tmp_path: Path, fake_pbs: dict) -> None:
-    started = time.time()
-    result = run_pbs_script(tmp_path, "pbs", pbs_job(launcher, modules=(), setup=(FAIL_NODE_1,)), TWO_NODES, fake_pbs, timeout=60)
-    assert result.returncode == 3
-    log = assert_the_job_failed_for_node_1(tmp_path / "runs" / "pbs-probe", 3)
-    assert "node 1 (127.0.0.1) exited with status 3: ending the other nodes" in log
-    # Node 0's task is PBS's: the server ends it when the batch script has ended, as it did at once.
-    assert time.time() - started < 30
-
-
-def test_fake_pbs_ssh_a_failing_node_ends_every_node(sshd: list[str], tmp_path: Path, fake_pbs: dict) -> None:
+def test_stand_in_pbs_ssh_a_failing_node_ends_every_node(sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
     job = pbs_job("ssh", modules=(), setup=(FAIL_NODE_1,), ssh_options=sshd)
-    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, fake_pbs, timeout=60)
+    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, stand_in_pbs, timeout=60)
     assert result.returncode == 3
     run_dir = tmp_path / "runs" / "pbs-probe"
     assert "node 1 (127.0.0.1) exited with status 3: ending the other nodes" in assert_the_job_failed_for_node_1(run_dir, 3)
     assert_no_node_outlives_the_job(run_dir)
 
 
-def test_fake_pbs_mpiexec_a_failing_node_ends_every_node(mpi: Mpi, tmp_path: Path, fake_pbs: dict) -> None:
-    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec", modules=(), setup=(FAIL_NODE_1,)), TWO_NODES, {**fake_pbs, **mpi.env}, timeout=60)
+def test_stand_in_pbs_mpiexec_a_failing_node_ends_every_node(mpi: Mpi, tmp_path: Path, stand_in_pbs: dict) -> None:
+    result = run_pbs_script(tmp_path, "pbs", pbs_job("mpiexec", modules=(), setup=(FAIL_NODE_1,)), TWO_NODES, {**stand_in_pbs, **mpi.env}, timeout=60)
     # Open MPI exits with the node's status; hydra ends every node only when one is killed (9).
     assert result.returncode == {"openmpi": 3, "mpich": 9}[mpi.name]
     run_dir = tmp_path / "runs" / "pbs-probe"
@@ -281,10 +261,10 @@ def test_fake_pbs_mpiexec_a_failing_node_ends_every_node(mpi: Mpi, tmp_path: Pat
     assert_no_node_outlives_the_job(run_dir)
 
 
-def test_fake_pbs_ssh_a_module_that_does_not_load_on_one_node_ends_the_job(module_system: dict, sshd: list[str], tmp_path: Path, fake_pbs: dict) -> None:
+def test_stand_in_pbs_ssh_a_module_that_does_not_load_on_one_node_ends_the_job(module_system: dict, sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
     job = pbs_job("ssh", ssh_options=sshd)
     job["environment"]["variables"]["JOBGEN_TEST_FAIL_ON_NODE"] = "1"
-    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, {**fake_pbs, **module_system}, timeout=60)
+    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, {**stand_in_pbs, **module_system}, timeout=60)
     assert result.returncode == 1
     run_dir = tmp_path / "runs" / "pbs-probe"
     assert_the_job_failed_for_node_1(run_dir, 1)

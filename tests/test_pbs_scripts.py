@@ -1,9 +1,11 @@
-"""The rendered PBS Pro and Torque scripts, run for real on this machine with fake PBS commands.
+"""The rendered PBS Pro and Torque scripts with stand-in PBS commands, for what the real servers
+(tests/test_pbs_servers.py) cannot show: a nodefile with the wrong number of nodes, a qsub that
+refuses the continuation, and reruns past requeue.max_restarts without waiting for the server.
 
-No PBS server can be installed here (none is packaged for Debian), so only `pbsdsh`, `pbs_tmrsh`
-and `qsub` are replaced, by small scripts that behave as ../shared/notes/pbs.md describes: a task
-starts with a bare environment in $HOME, and qsub prints a job id. Everything else is real: the
-batch script, the per-node script, torchrun and the ranks. Test names say "fake_pbs".
+Only `pbsdsh`, `pbs_tmrsh` and `qsub` are replaced, by small scripts that behave as the real
+servers do (a task starts with a bare environment in $HOME, qsub prints a job id, a -v on qsub's
+command line replaces the script's own). Everything else is real: the batch script, the per-node
+script, torchrun and the ranks. The tests and the fixture say "stand_in".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import yaml
 
 from tests.helpers import jobgen
-from tests.processes import descendants, process_table, signal_all
+from tests.processes import descendants, signal_all
 
 FAKE_PBSDSH = r"""#!/bin/bash
 # pbsdsh -n K -- CMD... (PBS Pro) or pbsdsh -h HOST CMD... (Torque), as MoM runs a task: not a
@@ -94,7 +96,7 @@ def write_commands(folder: Path, commands: dict[str, str]) -> Path:
 
 
 @pytest.fixture
-def fake_pbs(tmp_path: Path):
+def stand_in_pbs(tmp_path: Path):
     bin_dir = write_commands(tmp_path / "fakebin", {"pbsdsh": FAKE_PBSDSH, "pbs_tmrsh": FAKE_PBS_TMRSH, "qsub": FAKE_QSUB})
     slurm_dir = write_commands(tmp_path / "slurmbin", {"qsub": SLURM_QSUB})
     home = tmp_path / "home"
@@ -125,29 +127,6 @@ def start_pbs_job(script: Path, env: dict[str, str], nodefile: list[str], workdi
                             start_new_session=True)
 
 
-def job_processes(batch: subprocess.Popen, env: dict[str, str]) -> list[int]:
-    """Every process of the job: the batch script's session, each task's, and all they started."""
-    table = process_table()
-    tasks_file = Path(env["FAKE_PBS_TASKS"])
-    tasks = [int(pid) for pid in tasks_file.read_text().split()] if tasks_file.exists() else []
-    return descendants([pid for pid, (_, pgid) in table.items() if pgid == batch.pid] + tasks, table)
-
-
-def preempt_like_mom(batch: subprocess.Popen, env: dict[str, str], kill_delay: float = 10) -> int:
-    """What MoM does to a preempted (or rerun) job: SIGTERM to every process of the job at once,
-    SIGKILL to whatever is left after the queue's kill_delay (10 s by default); the job has
-    ended (and may be rerun) only when none is left."""
-    processes = job_processes(batch, env)
-    signal_all(processes, signal.SIGTERM)
-    deadline = time.time() + kill_delay
-    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in processes):
-        batch.poll()
-        time.sleep(0.2)
-    killed = [pid for pid in processes if Path(f"/proc/{pid}").exists()]
-    signal_all(killed, signal.SIGKILL)
-    return batch.wait() if batch.pid not in killed else -signal.SIGKILL
-
-
 def run_pbs_script(tmp_path: Path, flavour: str, job: dict, nodefile: list[str], env: dict[str, str], timeout: int = 240):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
@@ -168,52 +147,8 @@ def probe_job(nodes: int, procs: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "flavour,nodefile,expected_calls",
-    [
-        # PBS Pro, select=2:mpiprocs=1 with both chunks on one host (vnodes sharing a host name).
-        ("pbs", ["127.0.0.1", "127.0.0.1"], ["-n 0 -- /bin/bash", "-n 1 -- /bin/bash"]),
-        # Torque, nodes=2:ppn=2: each host listed ppn times; one node rank per unique host.
-        ("torque", ["node1", "node1", "node2", "node2"], ["-h node1 /bin/bash", "-h node2 /bin/bash"]),
-    ],
-)
-def test_fake_pbs_every_rank_is_wired_through_pbsdsh(tmp_path: Path, fake_pbs, flavour, nodefile, expected_calls) -> None:
-    result = run_pbs_script(tmp_path, flavour, probe_job(2, 2), nodefile, fake_pbs)
-    assert result.returncode == 0, result.stdout + result.stderr
-    calls = Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines()
-    assert sorted(c.split(" /bin/bash")[0] + " /bin/bash" for c in calls) == expected_calls
-
-    run_dir = tmp_path / "runs" / "pbs-probe"
-    records = [json.loads((run_dir / "probe" / f"rank-{r}.json").read_text()) for r in range(4)]
-    for rank, record in enumerate(records):
-        assert (record["RANK"], record["LOCAL_RANK"], record["WORLD_SIZE"]) == (str(rank), str(rank % 2), "4")
-        assert record["NODE_RANK"] == str(rank // 2) and record["NNODES"] == "2"
-        assert record["MASTER_ADDR"] == nodefile[0]
-        assert record["all_reduce_sum"] == 10
-    # Every log is in the run directory, although a pbsdsh task's output goes to PBS's spool.
-    assert "jobgen: job 123.fakeserver (restart 0)" in jobgen("logs", str(run_dir)).stdout
-    for node in (0, 1):
-        assert f"node {node} of 2" in jobgen("logs", str(run_dir), "--node", str(node)).stdout
-    # `jobgen status` says what the probe found, not a training segment's steps and goodput.
-    status = jobgen("status", str(run_dir)).stdout
-    assert "probe: 4 ranks reached each other" in status and "goodput" not in status, status
-    # The task started with a bare environment: what it has came through node.env.
-    env_seen = json.loads((run_dir / "probe" / "rank-3.json").read_text())
-    assert env_seen["JOBGEN_JOB_ID"] == "123.fakeserver"
-    assert not (run_dir / "node.env").exists()
-
-
-def test_fake_pbs_a_variable_reaches_bare_pbsdsh_tasks_intact(tmp_path: Path, fake_pbs) -> None:
-    job = probe_job(2, 1)
-    job["environment"]["setup"] = ['printf "%s" "$GREETING" > "$JOBGEN_RUN_DIR/greeting-$NODE_RANK"']
-    result = run_pbs_script(tmp_path, "pbs", job, ["127.0.0.1", "127.0.0.1"], fake_pbs)
-    assert result.returncode == 0, result.stderr
-    for node in (0, 1):
-        assert (tmp_path / "runs" / "pbs-probe" / f"greeting-{node}").read_text() == "it's $(not run)"
-
-
-def test_fake_pbs_a_nodefile_with_the_wrong_node_count_stops_with_a_clear_message(tmp_path: Path, fake_pbs) -> None:
-    result = run_pbs_script(tmp_path, "pbs", probe_job(2, 1), ["127.0.0.1"], fake_pbs)
+def test_stand_in_pbs_a_nodefile_with_the_wrong_node_count_stops_with_a_clear_message(tmp_path: Path, stand_in_pbs) -> None:
+    result = run_pbs_script(tmp_path, "pbs", probe_job(2, 1), ["127.0.0.1"], stand_in_pbs)
     assert result.returncode == 2
     message = "the job file asks for 2 nodes but the scheduler gave 1"
     assert message in result.stdout
@@ -255,42 +190,7 @@ def segments(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
 
 
-def test_fake_pbs_at_the_walltime_warning_the_job_checkpoints_and_its_continuation_has_the_secret(tmp_path: Path, fake_pbs) -> None:
-    script = render_to(tmp_path, lora_job(tmp_path, "pbs-walltime"))
-    # PBS has no --signal: the script's own timer sends it USR1 at walltime - warning (1740 s here).
-    assert "( sleep 1740 && kill -USR1 $$ ) 2>/dev/null &" in script.read_text()
-    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "s3cret, with a comma"}
-    batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
-    run_dir = tmp_path / "runs" / "pbs-walltime"
-    wait_for_step(run_dir, 2, batch)
-    batch.send_signal(signal.SIGUSR1)  # what the timer does
-    assert batch.wait(timeout=240) == 0, Path(env["FAKE_PBS_SPOOL"]).read_text()
-
-    end = segments(run_dir)[-1]
-    assert end["outcome"] == "time_limit" and 2 <= end["last_step"] < 12
-    assert (run_dir / "output" / "checkpoints" / f"step-{end['last_step']:06d}" / "COMPLETE").exists()
-    # Submitted with the PBS installation's qsub, not Slurm's wrapper that PATH puts first.
-    qsub = [c for c in Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines() if c.startswith("qsub")]
-    assert qsub == [f"qsub -W depend=afterany:123.fakeserver -v JOBGEN_RESTART_COUNT=1,JOBGEN_TEST_TOKEN {run_dir}/job.pbs"]
-    assert (run_dir / "job.pbs").read_text() == script.read_text(), "the continuation is not this same script"
-    assert "continuation 124.fakeserver submitted (restart 1 of at most 3)" in jobgen("logs", str(run_dir)).stdout
-
-    # The continuation runs with exactly what the server would give it: its -v, not the first
-    # job's environment. It must pass the secret check and resume where the first one stopped.
-    submitted = json.loads(Path(fake_pbs["FAKE_PBS_SUBMITTED"]).read_text().splitlines()[-1])
-    assert submitted["env"] == {"JOBGEN_RESTART_COUNT": "1", "JOBGEN_TEST_TOKEN": "s3cret, with a comma"}
-    second_env = {**fake_pbs, **submitted["env"], "PBS_JOBID": "124.fakeserver"}
-    second_env["FAKE_PBS_SPOOL"] = str(tmp_path / "124.fakeserver.OU")
-    assert submitted["workdir"] == str(tmp_path)
-    continuation = start_pbs_job(run_dir / "job.pbs", second_env, ["127.0.0.1", "127.0.0.1"], workdir=tmp_path)
-    assert continuation.wait(timeout=300) == 0, Path(second_env["FAKE_PBS_SPOOL"]).read_text()
-    assert "Terminated" not in Path(second_env["FAKE_PBS_SPOOL"]).read_text()
-    first, second = [s for s in segments(run_dir) if s["event"] == "end"]
-    assert (second["job_id"], second["restart"], second["outcome"]) == ("124.fakeserver", 1, "completed")
-    assert second["first_step"] == first["last_step"] and second["last_step"] == 12
-
-
-def test_fake_pbs_a_continuation_qsub_refuses_says_why_in_one_line(tmp_path: Path, fake_pbs) -> None:
+def test_stand_in_pbs_a_continuation_qsub_refuses_says_why_in_one_line(tmp_path: Path, stand_in_pbs) -> None:
     refusing = write_commands(tmp_path / "pbsexec", {"qsub": "#!/bin/sh\necho 'qsub: Job violates queue and/or server resource limits' >&2\nexit 38\n"})
     (tmp_path / "pbs.conf").write_text(f"PBS_SERVER=fakeserver\nPBS_EXEC={refusing.parent}/pbsexec-root\n")
     (tmp_path / "pbsexec-root").mkdir()
@@ -298,7 +198,7 @@ def test_fake_pbs_a_continuation_qsub_refuses_says_why_in_one_line(tmp_path: Pat
     job = lora_job(tmp_path, "pbs-refused")
     job["training"]["max_steps"] = 40
     script = render_to(tmp_path, job)
-    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "x", "PBS_CONF_FILE": str(tmp_path / "pbs.conf")}
+    env = {**stand_in_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "x", "PBS_CONF_FILE": str(tmp_path / "pbs.conf")}
     batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
     run_dir = tmp_path / "runs" / "pbs-refused"
     wait_for_step(run_dir, 1, batch)
@@ -309,47 +209,12 @@ def test_fake_pbs_a_continuation_qsub_refuses_says_why_in_one_line(tmp_path: Pat
                     f"queue and/or server resource limits; submit the job again to resume from step {segments(run_dir)[-1]['last_step']}"]
 
 
-def test_fake_pbs_preemption_signals_every_process_and_the_job_records_its_checkpoint(tmp_path: Path, fake_pbs) -> None:
-    """OpenPBS preempts (or qreruns) a job by sending SIGTERM to all of its processes at once:
-    pbsdsh dies at the signal while the ranks are still writing their checkpoint, and SIGKILL
-    follows after kill_delay. The script must wait for the ranks, say so, and the rerun resume."""
-    script = render_to(tmp_path, lora_job(tmp_path, "pbs-preempt"))
-    env = {**fake_pbs, "JOBGEN_DEBUG_STEP_DELAY": "1", "JOBGEN_TEST_TOKEN": "x"}
-    batch = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])
-    run_dir = tmp_path / "runs" / "pbs-preempt"
-    wait_for_step(run_dir, 2, batch)
-    # Both node logs are live in the run directory while the job runs, whatever pbsdsh does.
-    for node in (0, 1):
-        assert "starting 1 rank(s)" in jobgen("logs", str(run_dir), "--node", str(node)).stdout
-
-    assert preempt_like_mom(batch, env) == 1, "killed at kill_delay, or not left for the server to rerun"
-    end = segments(run_dir)[-1]
-    assert end["outcome"] == "preempted" and end["last_step"] >= 2, end
-    assert (run_dir / "output" / "checkpoints" / f"step-{end['last_step']:06d}" / "COMPLETE").exists()
-    log = jobgen("logs", str(run_dir)).stdout
-    assert f"jobgen: stopped (preempted) with a complete checkpoint at step {end['last_step']}" in log
-    assert "training failed" not in log
-    everything = log + Path(env["FAKE_PBS_SPOOL"]).read_text() + "".join(p.read_text() for p in (run_dir / "logs").glob("*"))
-    assert "Traceback" not in everything
-    # What every rank prints (transformers' weight-loading progress here) is in the node logs
-    # once, from rank 0; every rank's whole output is in its own log.
-    node0, node1, rank1 = (jobgen("logs", str(run_dir), *option).stdout for option in (("--node", "0"), ("--node", "1"), ("--rank", "1")))
-    assert node0.count("Loading weights: 100%") == 1 and "Loading weights" not in node1
-    assert "Loading weights: 100%" in rank1
-
-    rerun = start_pbs_job(script, env, ["127.0.0.1", "127.0.0.1"])  # the server's rerun: same id
-    assert rerun.wait(timeout=300) == 0, jobgen("logs", str(run_dir)).stdout
-    first, second = [s for s in segments(run_dir) if s["event"] == "end"]
-    assert (second["restart"], second["outcome"]) == (1, "completed")
-    assert second["first_step"] == first["last_step"] and second["last_step"] == 12
-
-
-def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_stops(tmp_path: Path, fake_pbs) -> None:
+def test_stand_in_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_stops(tmp_path: Path, stand_in_pbs) -> None:
     # A continuation (restart 1, passed by qsub -v) that the server then reruns twice under the
     # same job id, as it does after a preemption; the bound is 2 restarts.
     job = probe_job(2, 1)
     job["requeue"] = {"max_restarts": 2}
-    env = {**fake_pbs, "JOBGEN_RESTART_COUNT": "1"}
+    env = {**stand_in_pbs, "JOBGEN_RESTART_COUNT": "1"}
     runs = [run_pbs_script(tmp_path, "pbs", job, ["127.0.0.1", "127.0.0.1"], env) for _ in range(3)]
 
     assert [run.returncode for run in runs] == [0, 0, 1], runs[2].stdout
@@ -362,5 +227,5 @@ def test_fake_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_job_
     ]
     assert "not started: this is restart 3 of the job, and requeue.max_restarts is 2" in runs[2].stdout
     # The third run started no node task: two pbsdsh calls per run, for the first two only.
-    assert len(Path(fake_pbs["FAKE_PBS_LOG"]).read_text().splitlines()) == 4
+    assert len(Path(stand_in_pbs["FAKE_PBS_LOG"]).read_text().splitlines()) == 4
     assert "restarts_exhausted" in jobgen("status", str(run_dir)).stdout

@@ -256,7 +256,7 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
         assert wait_until_done(job_id) == "COMPLETED", path
         first, second = segments(run_dir)
         # The batch shell is killed with the job, or records the cancel's SIGTERM first.
-        assert first["outcome"] in ("running or lost", "terminated"), path
+        assert first["outcome"] in ("killed by the scheduler", "terminated"), path
         resumed = second["first_step"]
         assert lost_at_step[path] - resumed <= SAVE_INTERVAL, (path, resumed, lost_at_step)
         assert (run_dir / "segments.jsonl").read_text().count('"event": "start"') == 2

@@ -47,6 +47,11 @@ def rank_log(job_id: str, rank: int | str) -> str:
     return f"{LOGS}/{job_id}-rank{rank}.out"
 
 
+def node_exit(job_id: str, node: int | str) -> str:
+    """Node K's exit status, written where the launcher does not pass it on (pbsdsh)."""
+    return f"{LOGS}/{job_id}-node{node}.exit"
+
+
 def batch_log_job_id(file_name: str) -> Optional[str]:
     """The job id of a file in logs/ named as `batch_log` names it; None for any other file."""
     if not file_name.endswith(".out") or re.search(r"-(node|rank)\d+\.out$", file_name):
@@ -71,6 +76,7 @@ class _TemplateFiles:
     batch_log = staticmethod(batch_log)
     node_log = staticmethod(node_log)
     rank_log = staticmethod(rank_log)
+    node_exit = staticmethod(node_exit)
 
 
 TEMPLATE_FILES = _TemplateFiles()

@@ -14,16 +14,16 @@ from typing import Any, Optional
 from jobgen.errors import JobgenError
 from jobgen.rundir.run import find_run
 from jobgen.rundir.metrics import metrics
-from jobgen.rundir.status import _epoch, goodput, pair_segments
+from jobgen.rundir.status import KILLED, _epoch, goodput, killed_from_metrics, pair_segments
 
 OUTCOME_COLOURS = {"completed": "tab:green", "preempted": "tab:orange", "time_limit": "tab:purple",
-                   "failed": "tab:red", "running or lost": "tab:gray"}
+                   "failed": "tab:red", "running or lost": "tab:gray", KILLED: "tab:brown"}
 
 
 def plot_data(target: str) -> dict[str, Any]:
     """Every segment (its end reason, times, steps, and the metrics it logged) and the goodput."""
     run = find_run(target)
-    segments = pair_segments(run.segments())
+    segments = killed_from_metrics(pair_segments(run.segments()), run.path)
     if not segments:
         raise JobgenError(f"{run.path} has no segment yet: nothing to plot")
     starts = [_epoch(s["started_at"]) for s in segments]

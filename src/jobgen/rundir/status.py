@@ -18,7 +18,10 @@ def collect(target: str) -> dict[str, Any]:
     submissions = run.submissions()
     latest = submissions[-1] if submissions else None
     state = _scheduler_state(latest) if latest else None
-    segments = attach_messages(attach_startups(pair_segments(run.segments()), run.path), run)
+    segments = pair_segments(run.segments())
+    if latest and state and _has_finished(latest["scheduler"], state["state"]):
+        _close_open_segment(segments, latest["job_id"], run)
+    segments = attach_messages(attach_startups(killed_from_metrics(segments, run.path), run.path), run)
     # The last loss, the final model, and why a segment failed; a probe's result instead of a goodput.
     outcome = summary(run, segments)
     return {
@@ -44,11 +47,36 @@ def _scheduler_state(latest: dict[str, Any]) -> Optional[dict[str, Any]]:
     return found.as_dict() if found else {"job_id": latest["job_id"], "state": "UNKNOWN", "reason": "the scheduler no longer knows this job"}
 
 
+KILLED = "killed by the scheduler"
+
+
+def _has_finished(scheduler_name: str, state: str) -> bool:
+    """The scheduler says the job has ended (a state it knows, and not one of a live job)."""
+    scheduler = get_scheduler(scheduler_name)
+    return bool(scheduler.active_states) and state != "UNKNOWN" and state.upper() not in scheduler.active_states
+
+
+def _close_open_segment(segments: list[dict[str, Any]], job_id: str, run: RunDir) -> None:
+    """The job has ended by the scheduler's word, but its last segment recorded no end: the
+    scheduler killed it faster than the script could say so (Torque's qdel: SIGKILL within
+    milliseconds). Its log stopped growing when it was killed."""
+    if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == job_id:
+        log = run.path / runfiles.batch_log(job_id)
+        last_output = log.stat().st_mtime if log.exists() else _epoch(segments[-1]["started_at"])
+        segments[-1]["outcome"] = KILLED
+        segments[-1]["next_started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output))
+
+
 def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per segment: a start line, closed by its end line if the script lived to write it."""
+    """One entry per segment: a start line, closed by its end line if the script lived to write it.
+    A segment with no end line that the same job id started again after has ended all the same:
+    the scheduler killed it too fast for the script to say so (Torque's qrerun, SIGKILL, a lost node)."""
     segments: list[dict[str, Any]] = []
     for event in events:
         if event.get("event") == "start":
+            if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == event["job_id"]:
+                segments[-1]["outcome"] = KILLED
+                segments[-1]["next_started_at"] = event["started_at"]
             segments.append({
                 "job_id": event["job_id"], "restart": event["restart"], "started_at": event["started_at"],
                 "ended_at": None, "first_step": None, "last_step": None, "outcome": "running or lost",
@@ -59,6 +87,33 @@ def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ended_at": event["at"], "first_step": event.get("first_step"), "last_step": event.get("last_step"),
                 "outcome": event.get("outcome") or "unknown", "train_seconds": event.get("train_seconds"),
             })
+    return segments
+
+
+def killed_from_metrics(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
+    """A killed segment's steps and end as far as the trainer's records show: its first step from
+    its start-up record, its last and its end from the last metrics line written before the next
+    start of the job (or that start itself, when it logged none)."""
+    from jobgen.rundir.metrics import metrics, startups
+
+    killed = [s for s in segments if s["outcome"] == KILLED and s["ended_at"] is None]
+    if not killed:
+        return segments
+    records = metrics(run_path)
+    found = {(str(entry.get("job_id")), entry.get("restart")): entry for entry in startups(run_path)}
+    for segment in killed:
+        begin, until = _epoch(segment["started_at"]), _epoch(segment.pop("next_started_at"))
+        logged = [r for r in records if isinstance(r.get("time"), (int, float)) and begin <= r["time"] < until + 1]
+        startup = found.get((str(segment["job_id"]), segment["restart"]))
+        if logged:
+            last = max(logged, key=lambda r: r["time"])
+            segment["last_step"] = last.get("step")
+            segment["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last["time"]))
+        else:
+            segment["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(until))
+        if startup:
+            segment["first_step"] = startup.get("first_step")
+            segment["last_step"] = segment["last_step"] if segment["last_step"] is not None else startup.get("first_step")
     return segments
 
 

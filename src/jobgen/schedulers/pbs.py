@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,10 @@ class PbsPro(Scheduler):
     # How pbsdsh picks the node to start a task on: PBS Pro's takes its index in the node list
     # (-n INDEX), Torque's its host name (-h HOST). The pbsdsh launcher reads this.
     pbsdsh_by_host = False
+    # How qstat shows a job: -x adds finished ones where the server keeps history (PBS Pro);
+    # the attribute that counts its starts (a rerun adds one).
+    qstat_commands: tuple[tuple[str, ...], ...] = (("qstat", "-f", "-x"), ("qstat", "-f"))
+    run_count_field = "run_count"
     option_fixes = {
         "-N": "set name in the job file instead",
         CHUNK_REQUEST: "put chunk resources in resources.chunk_resources",
@@ -95,19 +100,38 @@ class PbsPro(Scheduler):
 
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         require("qsub", self.name)
+        self.check_passable(job)
         job_id = run(["qsub", str(script)], f"{self.name} refused the job").strip()
         if not job_id:
             raise JobgenError("qsub printed no job id")
         return job_id
 
+    # What a value passed with `-v` does not survive on OpenPBS 23.06: its qsub refuses a double
+    # quote ("cannot send environment with the job"), writes a single quote and a backslash as a
+    # backslash and two, and reads a comma with an '=' after it as the start of another NAME=VALUE
+    # (and crashed in malloc on it).
+    unpassable = "'\"\\"
+
+    def check_passable(self, job: Job) -> None:
+        for name in job.environment.secrets:
+            value = os.environ.get(name, "")
+            bad = sorted({repr(c) for c in value if c in self.unpassable})
+            if self.unpassable and "," in value and "=" in value.split(",", 1)[1]:
+                bad.append("',' followed by '=' (read as a second NAME=VALUE; its qsub crashed on it)")
+            if bad:
+                raise JobgenError(
+                    f"environment.secrets: the value of {name} has {' and '.join(bad)}, which {self.name}'s qsub -v "
+                    "does not pass on intact: use a value without them, or a file the job reads"
+                )
+
     def state(self, job_id: str) -> Optional[JobState]:
         require("qstat", self.name)
-        # -x also shows finished jobs where the server keeps history (PBS Pro).
-        for argv in (["qstat", "-f", "-x", job_id], ["qstat", "-f", job_id]):
+        for command in self.qstat_commands:
+            argv = [*command, job_id]
             result = subprocess.run(argv, capture_output=True, text=True)
             if result.returncode == 0 and result.stdout.strip():
                 fields = _qstat_fields(result.stdout)
-                restarts = fields.get("run_count", "")
+                restarts = fields.get(self.run_count_field, "")
                 return JobState(
                     job_id=job_id,
                     state=fields.get("job_state", "?"),
@@ -138,13 +162,14 @@ def _resource_keys(flag: str, item: str) -> list[str]:
 
 
 def _qstat_fields(text: str) -> dict[str, str]:
-    """`qstat -f` prints `    key = value`, continuation lines indented further."""
+    """`qstat -f` prints `    key = value`; a long value goes on in lines that start with a tab,
+    which is not part of it (the text goes on exactly after it, a space included)."""
     fields: dict[str, str] = {}
     key = None
     for line in text.splitlines():
-        if " = " in line:
+        if line.startswith("\t") and key:
+            fields[key] += line[1:]
+        elif " = " in line:
             key, value = (part.strip() for part in line.split(" = ", 1))
             fields[key] = value
-        elif key and line.startswith("\t"):
-            fields[key] += line.strip()
-    return fields
+    return {name: value.strip() for name, value in fields.items()}

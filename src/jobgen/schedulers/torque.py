@@ -17,6 +17,11 @@ class Torque(PbsPro):
     launchers = ("pbsdsh", "ssh", "mpiexec")
     option_fixes = {**PbsPro.option_fixes, "-n": "set resources.exclusive instead"}
     pbsdsh_by_host = True
+    # Torque's `qstat -x` prints XML; it keeps finished jobs for keep_completed seconds, and
+    # counts a job's starts in start_count.
+    qstat_commands = (("qstat", "-f"),)
+    unpassable = ""  # not seen on Torque
+    run_count_field = "start_count"
 
     def options(self, job: Job) -> list[str]:
         res = job.resources

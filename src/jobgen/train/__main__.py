@@ -12,6 +12,7 @@ from typing import Optional
 from jobgen.train.console import finish_output, route_output
 from jobgen.errors import UserError
 from jobgen.train.exit_report import ExitReport, write_exit_report
+from jobgen.train.lifeline import die_with_torchrun
 from jobgen.train.stop import STOP_FILE, StopRequest
 
 PROG = "jobgen-train"
@@ -43,6 +44,7 @@ def load_job(path: str):
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parse_args(argv)
+    die_with_torchrun()
     rank = int(os.environ.get("RANK", "0") or 0)
     run_dir = os.path.abspath(args.run_dir or os.path.dirname(os.path.abspath(args.job)))
     handlers = [logging.StreamHandler(sys.stderr)]

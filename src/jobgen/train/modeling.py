@@ -29,6 +29,8 @@ def keep_bitsandbytes_out(method: str) -> None:
     if method != "qlora" and "bitsandbytes" not in sys.modules:
         # A None entry makes `import bitsandbytes` raise ImportError, and find_spec say it is absent.
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+
+
 def torch_dtype(precision: str) -> Any:
     import torch
 

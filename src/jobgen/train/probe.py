@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jobgen-probe", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, type=Path, help="RUN_DIR/job.yaml")
     args = parser.parse_args(argv)
+    from jobgen.train.lifeline import die_with_torchrun
+
+    die_with_torchrun()
     run_dir = args.job.resolve().parent
 
     import torch
