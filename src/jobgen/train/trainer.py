@@ -255,7 +255,9 @@ class Trainer:
             store.load(engine, found, scheduler, t.seed)
             first_step = int(found.state["step"])
             if dist.is_main:
-                log.info("resumed from %s (step %d); checkpoint loaded in %.1f s", found.path, first_step,
+                written_by = int(found.manifest["world_size"])
+                resharded = f", written by {written_by} ranks, resharded to {dist.world_size}" if written_by != dist.world_size else ""
+                log.info("resumed from %s (step %d%s); checkpoint loaded in %.1f s", found.path, first_step, resharded,
                          time.perf_counter() - loading)
         else:
             _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
