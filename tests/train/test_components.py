@@ -90,8 +90,10 @@ def test_global_batch_is_split_with_the_largest_micro_batch_or_refused_in_one_li
         "that divide it: 1, 2, 4, 8 (resources.nodes 1, 2, 4, 8 at 1 per node), or set training.global_batch_size "
         "to a multiple of 3"
     )
-    with pytest.raises(UserError, match=r"world sizes that divide it: 4, 8, 16 \(resources.nodes 1, 2, 4 at 4 per node\)"):
+    with pytest.raises(UserError, match=r"world sizes that divide it: 1, 2, 4, 8, 16 \(resources.nodes 1, 2, 4 at 4 per node\)"):
         split_global_batch(16, 12, 2, procs_per_node=4)
+    with pytest.raises(UserError, match=r"divide it: 1, 2, 4, 8 \(none a multiple of 3 processes per node\), or set"):
+        split_global_batch(8, 3, 2, procs_per_node=3)
 
 
 def test_length_grouping_puts_similar_lengths_together():

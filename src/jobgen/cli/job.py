@@ -66,7 +66,8 @@ def validate(config: Path, site: Optional[str], overrides: tuple[str, ...], temp
         check_templates(folders)
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
-        f"{job.world_size} ({job.backend}); global batch {job.global_batch}; {job.training.method}, "
+        f"{'-'.join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))} ({job.backend}); "
+        f"global batch {job.global_batch}; {job.training.method}, "
         f"ZeRO-{job.training.zero_stage}, {job.training.precision}"
     )
 

@@ -244,13 +244,14 @@ def split_global_batch(global_batch: int, world_size: int, max_micro: int, procs
     from jobgen.errors import UserError
 
     if global_batch % world_size:
-        sizes = [w for w in range(procs_per_node, global_batch + 1, procs_per_node) if global_batch % w == 0]
-        nodes = ", ".join(str(w // procs_per_node) for w in sizes)
+        sizes = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
+        nodes = [str(w // procs_per_node) for w in sizes if w % procs_per_node == 0]
+        where = (f"resources.nodes {', '.join(nodes)} at {procs_per_node} per node" if nodes
+                 else f"none a multiple of {procs_per_node} processes per node")
         raise UserError(
             f"training.global_batch_size: {global_batch} samples per optimizer step cannot be split evenly over "
-            f"{world_size} ranks; world sizes that divide it: {', '.join(map(str, sizes)) or 'none'} "
-            f"(resources.nodes {nodes or 'none'} at {procs_per_node} per node), or set training.global_batch_size "
-            f"to a multiple of {world_size}"
+            f"{world_size} ranks; world sizes that divide it: {', '.join(map(str, sizes))} ({where}), or set "
+            f"training.global_batch_size to a multiple of {world_size}"
         )
     per_rank = global_batch // world_size
     micro = max(d for d in range(1, min(max_micro, per_rank) + 1) if per_rank % d == 0)

@@ -49,7 +49,8 @@ log = logging.getLogger("jobgen.train")
 # per_device_batch_size and gradient_accumulation only split the global batch, which the
 # checkpoint keeps (global_batch_size is checked against it on its own, in Trainer.run).
 RESUME_SAFE_FIELDS = {
-    "per_device_batch_size", "gradient_accumulation", "global_batch_size", "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
+    "per_device_batch_size", "gradient_accumulation", "global_batch_size",
+    "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
     "output_dir", "step_seconds_estimate", "async_save",
 }
 
@@ -256,7 +257,7 @@ class Trainer:
             first_step = int(found.state["step"])
             if dist.is_main:
                 written_by = int(found.manifest["world_size"])
-                resharded = f", written by {written_by} ranks, resharded to {dist.world_size}" if written_by != dist.world_size else ""
+                resharded = "" if written_by == dist.world_size else f", written by {written_by} ranks, resharded to {dist.world_size}"
                 log.info("resumed from %s (step %d%s); checkpoint loaded in %.1f s", found.path, first_step, resharded,
                          time.perf_counter() - loading)
         else:
