@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from jobgen.errors import UserError
 from jobgen.job.conversations import Conversation
 
 IGNORE_INDEX = -100
@@ -241,8 +242,6 @@ def split_global_batch(global_batch: int, world_size: int, max_micro: int, procs
     """(micro-batch, accumulation) that split `global_batch` evenly over `world_size` ranks, with
     the largest micro-batch of at most `max_micro` (training.per_device_batch_size, the memory
     bound), so the fewest accumulation rounds. Raises UserError naming the sizes that would work."""
-    from jobgen.errors import UserError
-
     if global_batch % world_size:
         sizes = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
         nodes = [str(w // procs_per_node) for w in sizes if w % procs_per_node == 0]
