@@ -22,6 +22,8 @@ import math
 import os
 from typing import Any
 
+from jobgen.errors import UserError
+
 FORMAT = 1
 DIRECTORY = "universal"
 
@@ -134,8 +136,9 @@ def load(engine: Any, checkpoint: str, written_by: int, rank: int, world_size: i
     for old in range(written_by):
         path = shard_path(checkpoint, old)
         if not os.path.exists(path):
-            raise RuntimeError(f"{checkpoint} has no {DIRECTORY}/ state of rank {old}: it was written before jobgen "
-                               f"wrote world-size-free checkpoints; resume it on {written_by} ranks")
+            # Every rank sees the same files, so every rank raises this same one line.
+            raise UserError(f"checkpoint {os.path.basename(checkpoint)} has no {DIRECTORY}/ state of rank {old} (written "
+                            f"by an older jobgen): resume it on {written_by} ranks (resources.nodes x launch.procs_per_node)")
         shards.append(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
     keys = shards[0]["state_keys"]
     _materialize_states(engine, keys)
