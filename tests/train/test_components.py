@@ -9,8 +9,9 @@ import signal
 
 import pytest
 
+from jobgen.errors import UserError
 from jobgen.job.conversations import load_conversations
-from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer
+from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, MicroBatches, split_global_batch
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import StopRequest
 from jobgen.train.trainer import LRFactor
@@ -55,26 +56,50 @@ def test_truncation_to_max_length(tmp_path, tokenizer):
     assert len(ids) == len(labels) == 16
 
 
-def _epoch(order_args, epoch, world):
-    return [BatchOrder(rank=r, world_size=world, **order_args).epoch_batches(epoch) for r in range(world)]
+def _steps(num, global_batch, world, epoch, lengths=None, max_micro=3):
+    """Each step's samples as `world` ranks train them: {rank: [units of every accumulation round]}."""
+    micro, accumulation = split_global_batch(global_batch, world, max_micro)
+    order = BatchOrder(num, global_batch, seed=5, lengths=lengths)
+    ranks = [MicroBatches(None, order, world, r, micro, accumulation) for r in range(world)]
+    return [[[b.units(epoch, k, m) for m in range(accumulation)] for b in ranks] for k in range(order.steps_per_epoch)]
 
 
 @pytest.mark.parametrize("lengths", [None, [((i * 37) % 23) + 1 for i in range(40)]])
-def test_batch_order_covers_every_sample_once_per_epoch_and_is_deterministic(lengths):
-    args = {"num_samples": 40, "batch_size": 3, "seed": 5, "lengths": lengths}
+def test_each_step_trains_the_same_samples_on_any_world_size_and_every_sample_once_per_epoch(lengths):
+    """40 samples, 12 per step: 3 whole steps and a short one of 4; on 1 to 4 and on 6 ranks."""
     for epoch in (0, 1):
-        per_rank = _epoch(args, epoch, world=4)
-        flat = [i for batches in per_rank for batch in batches for i in batch]
-        assert sorted(flat) == list(range(40))
-        assert len({len(batches) for batches in per_rank}) == 1  # every rank takes the same number of steps
-        assert per_rank == _epoch(args, epoch, world=4)
-    assert _epoch(args, 0, 4) != _epoch(args, 1, 4)  # set_epoch reshuffles
+        by_world = {w: _steps(40, 12, w, epoch, lengths) for w in (1, 2, 3, 4, 6)}
+        reference = [sorted(i for rank in step for rounds in rank for i in rounds) for step in by_world[1]]
+        assert [len(s) for s in reference] == [12, 12, 12, 4]
+        assert sorted(i for s in reference for i in s) == list(range(40))
+        for world, steps in by_world.items():
+            assert [sorted(i for rank in step for rounds in rank for i in rounds) for step in steps] == reference, world
+            assert steps == _steps(40, 12, world, epoch, lengths)  # a pure function
+    assert _steps(40, 12, 2, 0, lengths) != _steps(40, 12, 2, 1, lengths)  # every epoch reshuffles
+
+
+def test_global_batch_is_split_with_the_largest_micro_batch_or_refused_in_one_line():
+    assert split_global_batch(12, 2, 3) == (3, 2)
+    assert split_global_batch(12, 3, 3) == (2, 2)  # 4 per rank: micro-batches of 3 would not divide it
+    assert split_global_batch(12, 1, 3) == (3, 4)
+    assert split_global_batch(12, 12, 8) == (1, 1)
+    with pytest.raises(UserError) as refused:
+        split_global_batch(8, 3, 2, procs_per_node=1)
+    assert str(refused.value) == (
+        "training.global_batch_size: 8 samples per optimizer step cannot be split evenly over 3 ranks; world sizes "
+        "that divide it: 1, 2, 4, 8 (resources.nodes 1, 2, 4, 8 at 1 per node), or set training.global_batch_size "
+        "to a multiple of 3"
+    )
+    with pytest.raises(UserError, match=r"world sizes that divide it: 1, 2, 4, 8, 16 \(resources.nodes 1, 2, 4 at 4 per node\)"):
+        split_global_batch(16, 12, 2, procs_per_node=4)
+    with pytest.raises(UserError, match=r"divide it: 1, 2, 4, 8 \(none a multiple of 3 processes per node\), or set"):
+        split_global_batch(8, 3, 2, procs_per_node=3)
 
 
 def test_length_grouping_puts_similar_lengths_together():
     lengths = [(i * 7919) % 500 + 1 for i in range(400)]
-    grouped = BatchOrder(400, 1, 0, 8, seed=1, lengths=lengths).epoch_batches(0)
-    plain = BatchOrder(400, 1, 0, 8, seed=1).epoch_batches(0)
+    grouped = [u for step in _steps(400, 16, 2, 0, lengths, max_micro=8) for rank in step for u in rank]
+    plain = [u for step in _steps(400, 16, 2, 0, None, max_micro=8) for rank in step for u in rank]
 
     def spread(batches):
         return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)

@@ -16,10 +16,10 @@ def _training(**fields) -> Training:
 
 
 def test_max_steps_overrides_epochs_both_ways():
-    # 10 micro-batches per epoch, accumulation 2: 5 steps per epoch.
-    assert total_steps_of(_training(epochs=12, max_steps=60, gradient_accumulation=2), 10) == 60  # not 5 x 12
-    assert total_steps_of(_training(epochs=1, max_steps=8, gradient_accumulation=2), 10) == 8  # past one epoch
-    assert total_steps_of(_training(epochs=3, gradient_accumulation=2), 10) == 15
+    # 5 optimizer steps per epoch.
+    assert total_steps_of(_training(epochs=12, max_steps=60), 5) == 60  # not 5 x 12
+    assert total_steps_of(_training(epochs=1, max_steps=8), 5) == 8  # past one epoch
+    assert total_steps_of(_training(epochs=3), 5) == 15
 
 
 def _saved_state(schedule: str, total: int) -> dict:

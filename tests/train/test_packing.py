@@ -58,7 +58,7 @@ def test_packed_loss_and_gradients_equal_unpacked(tiny, tmp_path, architecture, 
     model.set_attn_implementation(attention)
     dataset = _dataset(tiny)
     samples = list(range(16))
-    rows = pack_rows([dataset.lengths[i] for i in samples], 256, seed=3, world_size=1)
+    rows = pack_rows([dataset.lengths[i] for i in samples], 256, seed=3)
     assert len(rows) < len(samples) and any(len(row) >= 3 for row in rows)  # really packed
 
     unpacked = _loss_and_grads(model, dataset.collate(samples))
@@ -81,23 +81,21 @@ def test_packed_rows_fit_and_cover_every_sample_once_per_epoch():
     rng = random.Random(0)
     # Mostly short conversations with a long tail, as chat data is.
     lengths = [min(511, int(rng.lognormvariate(4.5, 0.8))) + 1 for _ in range(1001)]
-    rows = pack_rows(lengths, 512, seed=7, world_size=4)
-    assert rows == pack_rows(lengths, 512, seed=7, world_size=4)  # a pure function
+    rows = pack_rows(lengths, 512, seed=7)
+    assert rows == pack_rows(lengths, 512, seed=7)  # a pure function, of no world size
     assert sorted(i for row in rows for i in row) == list(range(1001))
     assert all(sum(lengths[i] for i in row) <= 512 for row in rows)
-    assert len(rows) % 4 == 0
     assert sum(lengths) / (512 * len(rows)) > 0.95  # nearly full rows
 
+    order = BatchOrder(len(rows), 12, seed=7)
     for epoch in (0, 1):
-        ranks = [MicroBatches(None, BatchOrder(len(rows), 4, r, 3, seed=7), rows) for r in range(4)]
-        assert len({b.batches_per_epoch for b in ranks}) == 1
-        seen = Counter(i for b in ranks for k in range(b.batches_per_epoch) for i in b.samples(epoch, k))
+        ranks = [MicroBatches(None, order, 4, r, 3, 1, rows) for r in range(4)]
+        seen = Counter(i for b in ranks for k in range(order.steps_per_epoch) for i in b.samples(b.units(epoch, k, 0)))
         assert sorted(seen) == list(range(1001)) and set(seen.values()) == {1}
-    orders = [[b.order.batch(e, 0) for e in (0, 1)] for b in ranks]
-    assert all(first != second for first, second in orders)  # rows are reshuffled every epoch
+    assert order.step(0, 0) != order.step(1, 0)  # rows are reshuffled every epoch
 
 
-STEPS = 7  # 48 conversations in 20 rows of <= 256 tokens / 2 ranks / 2 rows: 5 steps per epoch; max_steps 7
+STEPS = 7  # 48 conversations in 20 rows of <= 256 tokens / (2 ranks x 2 rows): 5 steps per epoch; max_steps 7
 
 
 @pytest.fixture(scope="module")
@@ -147,19 +145,3 @@ def test_packed_run_sees_every_sample_once_per_epoch_and_cycles_to_max_steps(pac
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert metrics[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ends at max_steps
     assert metrics[3]["lr"] == pytest.approx(2e-4 * 0.5 * (1 + math.cos(math.pi * 4 / STEPS)), rel=1e-9)  # step 4
-
-
-def test_too_few_packed_rows_for_gradient_accumulation_is_one_line(tiny):
-    from jobgen.errors import UserError
-    from jobgen.train.trainer import _check_enough_batches
-
-    dataset = _dataset(tiny)  # 48 conversations make 20 rows of <= 256 tokens: 10 per rank, 3 batches of 4
-    training = Training(model="m", data="chats.json", packing=True, max_length=256, per_device_batch_size=4,
-                        gradient_accumulation=4)
-    batches = MicroBatches.build(dataset, 2, 0, 4, training.seed, False, 256)
-    with pytest.raises(UserError) as refused:
-        _check_enough_batches(batches, training)
-    assert str(refused.value) == (
-        "chats.json: the data makes 3 micro-batches of packed rows per rank, fewer than "
-        "training.gradient_accumulation (4): no optimizer step could run"
-    )

@@ -92,9 +92,10 @@ def test_checkpoint_holds_manifest_rng_and_sampler_position(runs):
     newest = checkpoints[-1]
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["step"] == 12 and manifest["world_size"] == 2 and len(manifest["config_digest"]) == 64
-    assert {"rng/rank-00000.pt", "rng/rank-00001.pt", "trainer_state.json"} <= set(manifest["files"])
+    assert {"rng/rank-00000.pt", "rng/rank-00001.pt", "universal/rank-00000.pt", "universal/rank-00001.pt",
+            "trainer_state.json"} <= set(manifest["files"])
     state = json.loads((newest / "trainer_state.json").read_text())
-    assert (state["epoch"], state["batches_consumed"]) == (2, 0)
+    assert (state["epoch"], state["steps_in_epoch"], state["global_batch"]) == (2, 0, 8)
     assert state["lr_scheduler"]["last_epoch"] == 12
 
 
@@ -131,16 +132,17 @@ def test_corrupted_newest_checkpoint_is_skipped_and_temp_checkpoint_ignored(runs
     assert all(torch.equal(straight[k], again[k]) for k in straight)
 
 
-def test_resuming_on_a_different_world_size_is_refused_at_once(runs, tools, tmp_path, tiny):
+def test_resuming_on_a_world_size_that_cannot_split_the_global_batch_is_refused_at_once(runs, tools, tmp_path, tiny):
     job = _copy_run(runs["straight"], tmp_path / "copy")
-    tools.write_job(job.parent, tiny, procs=1)
+    tools.write_job(job.parent, tiny, procs=3)
     started = time.monotonic()
-    result = tools.train(job, nproc=1)
+    result = tools.train(job, nproc=3)
     assert result.returncode != 0
-    assert "jobgen-train: error: checkpoint step-000012 was written by 2 ranks, this run has 1" in result.stdout
+    assert ("jobgen-train: error: training.global_batch_size: 8 samples per optimizer step cannot be split evenly "
+            "over 3 ranks; world sizes that divide it: 1, 2, 4, 8") in result.stdout
     assert "jobgen/train/" not in result.stdout  # no traceback through the trainer (torchrun prints its own)
     report = tools.exit_report(job.parent)
-    assert report["reason"] == "failed" and "written by 2 ranks" in report["message"]
+    assert report["reason"] == "failed" and "cannot be split evenly over 3 ranks" in report["message"]
     assert time.monotonic() - started < 120  # no waiting for the process-group timeout (3 min here)
 
 

@@ -82,7 +82,8 @@ def validate(config: Path, scheduler: Optional[str], site: Optional[str], overri
     checked = f"checked for {scheduler}" if scheduler else "not checked against a scheduler (give --scheduler)"
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
-        f"{job.world_size} ({job.backend}); global batch {job.global_batch}; {job.training.method}, "
+        f"{'-'.join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))} ({job.backend}); "
+        f"global batch {job.global_batch}; {job.training.method}, "
         f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
     )
 

@@ -78,7 +78,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
 def job_warnings(job: Job) -> list[str]:
     """Choices that run but are probably not what the user wants."""
     warnings = []
-    if job.training.zero_stage == 3 and job.resources.nodes > 1:
+    if job.training.zero_stage == 3 and job.resources.max_nodes > 1:
         warnings.append(
             "training.zero_stage 3 across nodes gathers every layer over the network each step; "
             "ZeRO-2 is usually faster when the model fits"

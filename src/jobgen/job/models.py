@@ -7,6 +7,7 @@ suggestion, see `jobgen.job.layers`), values are checked where they are declared
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, Optional
 
@@ -80,7 +81,11 @@ def parse_memory_mb(text: str) -> int:
 class Resources(_Strict):
     """What the scheduler is asked for."""
 
-    nodes: int = Field(1, ge=1, le=4096)
+    nodes: int | str = Field(
+        1,
+        description="a node count, or on Slurm a range MIN-MAX (\"2-4\"): the job takes what the partition can "
+        "give in the range, and each restart may land on another count (the global batch stays the job's)",
+    )
     gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
     cpus_per_node: Optional[int] = Field(
         None, ge=1, le=4096, description="defaults to one per process (launch.procs_per_node); more for data loader workers"
@@ -100,6 +105,25 @@ class Resources(_Strict):
             "property and warns about the rest; Slurm has no chunks and warns (use constraint there)"
         ),
     )
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _nodes_count_or_range(cls, value: object) -> object:
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(value)) if not isinstance(value, bool) else None
+        if match is None or not isinstance(value, (int, str)):
+            raise ValueError('expected a node count (4) or, on Slurm, a range MIN-MAX ("2-4")')
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if not 1 <= low <= high <= 4096:
+            raise ValueError("node counts go from 1 to 4096, a range's smaller one first")
+        return low if low == high else f"{low}-{high}"
+
+    @property
+    def min_nodes(self) -> int:
+        return int(str(self.nodes).split("-")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(str(self.nodes).split("-")[-1])
 
     @field_validator("chunk_resources", mode="before")
     @classmethod
@@ -374,6 +398,12 @@ class Training(_Strict):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     per_device_batch_size: int = Field(1, ge=1)
     gradient_accumulation: int = Field(1, ge=1)
+    global_batch_size: Optional[int] = Field(
+        None, ge=1,
+        description="samples (packed rows with packing) per optimizer step; default per_device_batch_size x "
+        "gradient_accumulation x world size. A checkpoint keeps its global batch: resumed on another world size, "
+        "it is split into micro-batches of at most per_device_batch_size and as many accumulation rounds as needed",
+    )
     learning_rate: float = Field(2e-4, gt=0, le=1)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
@@ -469,6 +499,15 @@ class Job(_Strict):
             )
         if self.training.method == "qlora" and self.training.zero_stage == 3:
             raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
+        # Each restart of a node range may land on another count; the global batch must split over all.
+        uneven = [w for w in self.world_sizes if self.global_batch % w]
+        if uneven:
+            every = math.lcm(*self.world_sizes)
+            raise ValueError(
+                f"resources.nodes {self.resources.nodes}: the global batch of {self.global_batch} does not split "
+                f"evenly over world size {uneven[0]} ({uneven[0] // self.procs_per_node} nodes x {self.procs_per_node}); set "
+                f"training.global_batch_size to a multiple of {every}, which every count in the range splits"
+            )
         return self
 
     # Derived values, computed here and nowhere else.
@@ -483,11 +522,19 @@ class Job(_Strict):
 
     @property
     def world_size(self) -> int:
-        return self.resources.nodes * self.procs_per_node
+        """Processes on resources.nodes, on the smallest count where it is a range."""
+        return self.resources.min_nodes * self.procs_per_node
+
+    @property
+    def world_sizes(self) -> range:
+        """Every world size the job may run on (one, unless resources.nodes is a range)."""
+        ppn = self.procs_per_node
+        return range(self.resources.min_nodes * ppn, self.resources.max_nodes * ppn + 1, ppn)
 
     @property
     def global_batch(self) -> int:
-        return self.training.per_device_batch_size * self.world_size * self.training.gradient_accumulation
+        t = self.training
+        return t.global_batch_size or t.per_device_batch_size * self.world_size * t.gradient_accumulation
 
     @property
     def backend(self) -> str:

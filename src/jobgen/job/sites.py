@@ -252,7 +252,7 @@ def check_limits(job: Job, site: SiteProfile, source: str, partition_word: str =
         return
     resources, word = job.resources, partition_word
     over: list[tuple[str, str, str]] = []  # (field, what the partition allows, what the job asks)
-    if limits.max_nodes is not None and resources.nodes > limits.max_nodes:
+    if limits.max_nodes is not None and resources.max_nodes > limits.max_nodes:
         over.append(("resources.nodes", f"at most {limits.max_nodes} nodes", f"{resources.nodes}"))
     if limits.max_time is not None and resources.time_limit_seconds > parse_time_limit(limits.max_time):
         over.append(("resources.time_limit", f"at most {limits.max_time}", resources.time_limit))

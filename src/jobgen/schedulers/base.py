@@ -60,6 +60,8 @@ class Scheduler:
             return []
         return [Path(sys.modules[type(self).__module__].__file__).resolve().parent]
 
+    node_ranges = False  # whether resources.nodes may be MIN-MAX, the allocation deciding the count
+
     def template_variables(self, job: Job) -> dict[str, Any]:
         """What the templates may read about the scheduler, beyond the job itself."""
         return {"scheduler": self.name, "scheduler_env": self.job_environment}
@@ -72,6 +74,11 @@ class Scheduler:
         scheduler would honour one of the two, PBS Pro the first `-l select`, sbatch the last.
         """
         self.refuse_reserved_variables(job)
+        if job.resources.min_nodes != job.resources.max_nodes and not self.node_ranges:
+            raise JobgenError(
+                f"resources.nodes: {self.name} cannot take a range ({job.resources.nodes}); give one count, "
+                f"such as {job.resources.min_nodes} (ranges are Slurm's --nodes=MIN-MAX)"
+            )
         own = [f"{self.directive_prefix} {option}" for option in self.options(job)]
         extra = [line for line in job.extra_directives if self.is_own_directive(line)]
         self._refuse_conflicts(own, extra)

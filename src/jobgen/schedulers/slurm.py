@@ -23,6 +23,7 @@ class Slurm(Scheduler):
     template = "slurm.sh.j2"
     launchers = ("srun",)
     directive_prefix = "#SBATCH"
+    node_ranges = True
     job_environment = JobEnvironment(
         job_id="SLURM_JOB_ID", restart_count="SLURM_RESTART_COUNT", submit_dir="SLURM_SUBMIT_DIR", nodes="SLURM_JOB_NODELIST"
     )
@@ -57,6 +58,7 @@ class Slurm(Scheduler):
         hours, rest = divmod(rest, 3600)
         options = [
             f"--job-name={self.job_name(job)}",
+            # MIN-MAX where a range: the job script counts the nodes it got (job.sh.j2).
             f"--nodes={res.nodes}",
             # One task per node: srun starts torchrun once per node, torchrun starts the ranks.
             "--ntasks-per-node=1",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from jobgen.train import checkpoint as ckpt
+from jobgen.train import reshard
 from jobgen.train.exit_report import write_json_atomically
 
 NICENESS = 10  # added to the save thread's (Linux: per thread)
@@ -50,6 +51,8 @@ class BackgroundSaves:
             engine.save_checkpoint(temp, tag=ckpt.DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
         finally:
             engine.checkpoint_engine = capture.inner
+        # Already a host copy: written by the same engine as DeepSpeed's files (torch.save).
+        capture.captured.append((reshard.shard_path(temp, self.dist.rank), reshard.local_shard(engine, self.dist.rank)))
         job = _InFlight(step, temp, capture.inner, capture.captured, time.perf_counter())
         job.rng = (self.store.rng_path(temp), ckpt.rng_states())
         if self.dist.is_main:

@@ -4,9 +4,11 @@ Layout of `OUTPUT_DIR/checkpoints/step-000123/`:
 
     deepspeed/...           engine.save_checkpoint(): model (trainable parameters only), the
                             optimizer partition of every rank and the LR scheduler
+    universal/rank-00000.pt each rank's pieces of the fp32 weights and optimizer moments, with
+                            their offsets in each parameter: loads on any world size (reshard.py)
     rng/rank-00000.pt       python, numpy, torch (and CUDA) RNG states of each rank
-    trainer_state.json      step, epoch and batches consumed in it, world size, config digest,
-                            the training section, the LR scheduler state
+    trainer_state.json      step, epoch and steps done in it, global batch, world size, config
+                            digest, the training section, the LR scheduler state
     manifest.json           step, world size, config digest, every file with size and sha256
     COMPLETE                written last
 
@@ -16,6 +18,10 @@ moment leaves a complete checkpoint or a `.tmp-*` directory, which is removed on
 
 Saves in the background (`training.async_save`) are jobgen/train/background_save.py; they end
 in the same commit.
+On the world size that wrote it, a checkpoint loads through DeepSpeed (the same partitions, bit
+for bit); on any other, from universal/ (jobgen/train/reshard.py), with the LR schedule from
+trainer_state.json and, for rank r, rank r's RNG states where the old world had a rank r (a new
+rank seeds itself from the seed, the step and its rank).
 On start the newest checkpoint whose files match its manifest is used; one that does not is
 skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or
 pruned). Directories are assumed to be on a file system every rank sees.
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jobgen.errors import UserError
+from jobgen.train import reshard
 from jobgen.train.exit_report import fsync_directory, write_json_atomically
 
 log = logging.getLogger("jobgen.train")
@@ -151,6 +158,9 @@ class CheckpointStore:
         temp = self.fresh_temp(step)
         engine.save_checkpoint(temp, tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
         self.pause.at("write", step)
+        shard = reshard.shard_path(temp, self.dist.rank)
+        torch.save(reshard.local_shard(engine, self.dist.rank), shard)
+        fsync_file(shard)
         rng_path = self.rng_path(temp)
         torch.save(rng_states(), rng_path)
         fsync_file(rng_path)
@@ -171,6 +181,7 @@ class CheckpointStore:
         if self.dist.is_main:
             shutil.rmtree(temp, ignore_errors=True)
             os.makedirs(os.path.join(temp, "rng"), exist_ok=True)
+            os.makedirs(os.path.join(temp, reshard.DIRECTORY), exist_ok=True)
         self.dist.barrier()
         return temp
 
@@ -204,21 +215,34 @@ class CheckpointStore:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, engine: Any, found: Found) -> None:
-        """Collective: restore engine (weights, optimizer, scheduler) and this rank's RNG states."""
+    def load(self, engine: Any, found: Found, scheduler: Any, seed: int) -> None:
+        """Collective: restore weights, optimizer, LR schedule and RNG states, on any world size."""
         import torch
 
-        load_path, _ = engine.load_checkpoint(
-            found.path,
-            tag=DEEPSPEED_TAG,
-            load_module_strict=False,  # frozen base weights come from the model, not the checkpoint
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-        )
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {found.path}")
-        states = torch.load(self.rng_path(found.path), weights_only=False)
-        set_rng_states(states)
+        written_by = int(found.manifest["world_size"])
+        if written_by == self.dist.world_size:
+            load_path, _ = engine.load_checkpoint(
+                found.path,
+                tag=DEEPSPEED_TAG,
+                load_module_strict=False,  # frozen base weights come from the model, not the checkpoint
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
+            if load_path is None:
+                raise RuntimeError(f"DeepSpeed could not load checkpoint {found.path}")
+        else:
+            reshard.load(engine, found.path, written_by, self.dist.rank, self.dist.world_size)
+            scheduler.load_state_dict(found.state["lr_scheduler"])
+            # The optimizer's learning rate is the schedule's at the checkpoint, as DeepSpeed's
+            # optimizer state would have given it back.
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+            step = int(found.state["step"])
+            engine.global_steps, engine.global_samples = step, step * int(found.state.get("global_batch", 0))
+        if self.dist.rank < written_by:
+            set_rng_states(torch.load(self.rng_path(found.path), weights_only=False))
+        else:  # a rank the old world did not have: its own stream, the same on every such resume
+            seed_everything(seed + 1_000_003 * (int(found.state["step"]) + 1) + self.dist.rank)
 
 
 class SavePause:
@@ -253,16 +277,9 @@ class SavePause:
         time.sleep(self.seconds)
 
 
-def check_compatible(found: Found, world_size: int, config_digest: str, changed: list[str]) -> None:
-    """Raise UserError if `found` cannot be resumed by this run."""
+def check_compatible(found: Found, config_digest: str, changed: list[str]) -> None:
+    """Raise UserError if `found` cannot be resumed by this run. The world size may differ."""
     name = os.path.basename(found.path)
-    written_by = found.manifest["world_size"]
-    if written_by != world_size:
-        raise UserError(
-            f"checkpoint {name} was written by {written_by} ranks, this run has {world_size}: rerun with "
-            f"{written_by} ranks (resources.nodes x launch.procs_per_node), or move {os.path.dirname(found.path)} "
-            "aside to start from scratch (its ZeRO optimizer partitions and data order are per rank)"
-        )
     if found.manifest["config_digest"] != config_digest:
         raise UserError(
             f"checkpoint {name} was written with different training settings ({', '.join(changed) or 'unknown'}); "
@@ -299,6 +316,15 @@ def rng_states() -> dict:
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def set_rng_states(states: dict) -> None:

@@ -7,16 +7,22 @@ system turn first ("You are a helpful assistant." unless the item gives one). La
 everywhere except on assistant turns, where `<|im_start|>`, the content, `<|im_end|>` and the
 newline after it are learned (the role name is not). Sequences are cut to `max_length`.
 
-Order: `torch.utils.data.DistributedSampler` over the global world size (shuffled with the job's
-seed, `set_epoch(epoch)` every epoch, padded by repetition so every rank gets the same count),
-cut into micro-batches; with `group_by_length`, each rank's indices are grouped into megabatches
-sorted by length, in an order that depends only on seed, epoch and rank. The order is a pure
-function of (epoch, batch index), which is what makes exact resume possible.
+Order: the samples of every optimizer step are a function of (seed, epoch, step) and the global
+batch alone, never of the world size, so a run resumed on another number of ranks trains each
+step on the same samples (jobgen/train/checkpoint.py carries the rest of the state across). Each
+epoch is one permutation of the data (seed + epoch); step k of it takes the next `global_batch`
+units of it, and the last step of an epoch takes what is left (every sample once per epoch, none
+repeated to fill it). With `group_by_length` the permutation is cut into megabatches of 50 steps,
+each sorted by length, and the order of the whole steps is shuffled (seed, epoch), as transformers'
+LengthGroupedSampler does per rank. A world size then only splits a step: micro-batch j of the
+step (j = accumulation index x world size + rank) is its j-th run of `micro` units, so the ranks'
+micro-batches in one accumulation round hold neighbouring lengths. Exact resume on any world
+size needs nothing but the step number.
 
 Packing (`training.packing`): the conversations are packed once into rows of at most
 `max_length` tokens (best-fit decreasing, ties broken by the seed), and the same order is then
 taken over rows instead of conversations, so a row holds the same conversations every epoch and
-every conversation is in exactly one row. Within a row the position ids restart at 0 for each
+every conversation is in exactly one row. The packing does not depend on the world size either. Within a row the position ids restart at 0 for each
 conversation and no attention mask is passed: transformers reads the boundaries from the
 position ids (a block-diagonal causal mask with eager or SDPA attention, the variable-length
 kernel with flash_attention_2), so no token attends across a boundary and the loss and its
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from jobgen.errors import UserError
 from jobgen.job.conversations import Conversation
 
 IGNORE_INDEX = -100
@@ -75,6 +82,9 @@ class TokenizedDataset:
         encoded = [chat(c) for c in conversations]
         self.input_ids = [e[0] for e in encoded]
         self.labels = [e[1] for e in encoded]
+        # Tokens each sample is trained on: labels after the first (position t predicts t+1; a
+        # packed row masks each sample's first label, which the unpacked shift drops too).
+        self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
         self.pad_id = pad_id
 
     def __len__(self) -> int:
@@ -126,12 +136,11 @@ class TokenizedDataset:
         return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
 
 
-def pack_rows(lengths: Sequence[int], capacity: int, seed: int, world_size: int) -> list[list[int]]:
+def pack_rows(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int]]:
     """Sample indices grouped into rows of at most `capacity` tokens, a pure function of the
-    arguments. Best-fit decreasing: longest first, each into the fullest row it still fits, which
-    leaves rows nearly full. Rows holding several samples are then split until the row count is a
-    multiple of `world_size`, so the sampler needs no repeated row and every sample is trained on
-    once per epoch (unless every row is a single sample)."""
+    arguments (not of the world size, so a resumed run on other ranks packs the same rows).
+    Best-fit decreasing: longest first, each into the fullest row it still fits, which leaves
+    rows nearly full."""
     import random
 
     shuffled = list(range(len(lengths)))
@@ -149,11 +158,6 @@ def pack_rows(lengths: Sequence[int], capacity: int, seed: int, world_size: int)
             row = free.pop(space)
             rows[row].append(index)
             free.add(space - need, row)
-    while len(rows) % world_size:
-        row = max(range(len(rows)), key=lambda r: (len(rows[r]), -r))
-        if len(rows[row]) < 2:
-            break
-        rows.append([rows[row].pop()])
     return rows
 
 
@@ -194,86 +198,105 @@ class _FreeSpace:
 
 
 class BatchOrder:
-    """Micro-batches of sample indices for one rank, as a pure function of (epoch, batch index)."""
+    """The units (conversations, or packed rows) of each optimizer step, as a pure function of
+    (seed, epoch, step in the epoch) and the global batch: no world size in it."""
 
-    MEGABATCH = 50  # micro-batches per length-sorted group, as in transformers' LengthGroupedSampler
+    MEGABATCH = 50  # steps per length-sorted group, as transformers' LengthGroupedSampler groups batches
 
-    def __init__(
-        self,
-        num_samples: int,
-        world_size: int,
-        rank: int,
-        batch_size: int,
-        seed: int,
-        lengths: Optional[Sequence[int]] = None,
-    ) -> None:
-        self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
-        self.batch_size, self.seed = batch_size, seed
+    def __init__(self, num_units: int, global_batch: int, seed: int, lengths: Optional[Sequence[int]] = None) -> None:
+        self.num_units, self.global_batch, self.seed = num_units, global_batch, seed
         self.lengths = lengths  # None: no length grouping
-        self.per_rank = -(-num_samples // world_size)  # DistributedSampler pads to this
-        self.batches_per_epoch = -(-self.per_rank // batch_size)
+        self.steps_per_epoch = -(-num_units // global_batch)  # the last one may be short
         self._cached: tuple[int, list[list[int]]] | None = None
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def epoch_steps(self, epoch: int) -> list[list[int]]:
         if self._cached and self._cached[0] == epoch:
             return self._cached[1]
         import torch
-        from torch.utils.data import DistributedSampler
 
-        sampler = DistributedSampler(
-            range(self.num_samples), num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed
+        generator = torch.Generator().manual_seed(self.seed + epoch)  # DistributedSampler's seeding
+        order = torch.randperm(self.num_units, generator=generator).tolist()
+        size = self.global_batch
+        if self.lengths is None:
+            steps = [order[i : i + size] for i in range(0, len(order), size)]
+        else:
+            steps = self._group_by_length(order, epoch, torch)
+        self._cached = (epoch, steps)
+        return steps
+
+    def _group_by_length(self, order: list[int], epoch: int, torch: Any) -> list[list[int]]:
+        size, mega = self.global_batch, self.MEGABATCH * self.global_batch
+        groups = [sorted(order[i : i + mega], key=lambda u: -self.lengths[u]) for i in range(0, len(order), mega)]
+        steps = [g[i : i + size] for g in groups for i in range(0, len(g), size)]
+        whole = [s for s in steps if len(s) == size]
+        short = [s for s in steps if len(s) < size]  # at most one, the end of the last group: kept last
+        # Shuffle whole steps so that long ones do not always come first.
+        shuffled = torch.randperm(len(whole), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        return [whole[i] for i in shuffled.tolist()] + short
+
+    def step(self, epoch: int, index: int) -> list[int]:
+        return self.epoch_steps(epoch)[index]
+
+
+def split_global_batch(global_batch: int, world_size: int, max_micro: int, procs_per_node: int = 1) -> tuple[int, int]:
+    """(micro-batch, accumulation) that split `global_batch` evenly over `world_size` ranks, with
+    the largest micro-batch of at most `max_micro` (training.per_device_batch_size, the memory
+    bound), so the fewest accumulation rounds. Raises UserError naming the sizes that would work."""
+    if global_batch % world_size:
+        sizes = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
+        nodes = [str(w // procs_per_node) for w in sizes if w % procs_per_node == 0]
+        where = (f"resources.nodes {', '.join(nodes)} at {procs_per_node} per node" if nodes
+                 else f"none a multiple of {procs_per_node} processes per node")
+        raise UserError(
+            f"training.global_batch_size: {global_batch} samples per optimizer step cannot be split evenly over "
+            f"{world_size} ranks; world sizes that divide it: {', '.join(map(str, sizes))} ({where}), or set "
+            f"training.global_batch_size to a multiple of {world_size}"
         )
-        sampler.set_epoch(epoch)
-        indices = list(sampler)
-        if self.lengths is not None:
-            indices = self._group_by_length(indices, epoch, torch)
-        batches = [indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
-        self._cached = (epoch, batches)
-        return batches
-
-    def _group_by_length(self, indices: list[int], epoch: int, torch: Any) -> list[int]:
-        size = self.MEGABATCH * self.batch_size
-        groups = [indices[i : i + size] for i in range(0, len(indices), size)]
-        groups = [sorted(g, key=lambda i: -self.lengths[i]) for g in groups]
-        # Shuffle micro-batches (not samples) so that long batches do not always come first; the
-        # same permutation on every rank keeps similar lengths in step across ranks.
-        batches = [g[i : i + self.batch_size] for g in groups for i in range(0, len(g), self.batch_size)]
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(batches), generator=generator).tolist()
-        return [i for b in order for i in batches[b]]
-
-    def batch(self, epoch: int, index: int) -> list[int]:
-        return self.epoch_batches(epoch)[index]
+    per_rank = global_batch // world_size
+    micro = max(d for d in range(1, min(max_micro, per_rank) + 1) if per_rank % d == 0)
+    return micro, per_rank // micro
 
 
 class MicroBatches:
-    """One rank's micro-batch at (epoch, index): the samples in it and their tensors. The order is
-    a BatchOrder over samples, or over packed rows when `rows` is given."""
+    """One rank's share of each optimizer step: `accumulation` micro-batches of `micro` units (the
+    step's last ones may be short or empty in the last step of an epoch). The units are samples,
+    or packed rows when `rows` is given."""
 
-    def __init__(self, dataset: TokenizedDataset, order: BatchOrder, rows: Optional[list[list[int]]] = None) -> None:
+    def __init__(self, dataset: TokenizedDataset, order: BatchOrder, world_size: int, rank: int, micro: int,
+                 accumulation: int, rows: Optional[list[list[int]]] = None) -> None:
+        assert micro * accumulation * world_size == order.global_batch
         self.dataset, self.order, self.rows = dataset, order, rows
+        self.world_size, self.rank, self.micro, self.accumulation = world_size, rank, micro, accumulation
 
     @classmethod
-    def build(cls, dataset: TokenizedDataset, world_size: int, rank: int, batch_size: int, seed: int,
-              group_by_length: bool, packing_capacity: Optional[int]) -> "MicroBatches":
+    def build(cls, dataset: TokenizedDataset, global_batch: int, world_size: int, rank: int, micro: int,
+              accumulation: int, seed: int, group_by_length: bool, packing_capacity: Optional[int]) -> "MicroBatches":
         lengths = dataset.lengths
         rows = None
         if packing_capacity is not None:
-            rows = pack_rows(lengths, packing_capacity, seed, world_size)
+            rows = pack_rows(lengths, packing_capacity, seed)
             lengths = [sum(lengths[i] for i in row) for row in rows]
-        order = BatchOrder(len(lengths), world_size, rank, batch_size, seed, lengths if group_by_length else None)
-        return cls(dataset, order, rows)
+        order = BatchOrder(len(lengths), global_batch, seed, lengths if group_by_length else None)
+        return cls(dataset, order, world_size, rank, micro, accumulation, rows)
 
     @property
-    def batches_per_epoch(self) -> int:
-        return self.order.batches_per_epoch
+    def num_units(self) -> int:
+        return self.order.num_units
 
-    def samples(self, epoch: int, index: int) -> list[int]:
-        units = self.order.batch(epoch, index)
-        return units if self.rows is None else [i for u in units for i in self.rows[u]]
+    def units(self, epoch: int, index: int, micro: int) -> list[int]:
+        """This rank's units in accumulation round `micro` of step `index` of `epoch` (maybe none)."""
+        j = micro * self.world_size + self.rank
+        return self.order.step(epoch, index)[j * self.micro : (j + 1) * self.micro]
 
-    def collate(self, epoch: int, index: int) -> dict:
-        units = self.order.batch(epoch, index)
+    def samples(self, units: Sequence[int]) -> list[int]:
+        return list(units) if self.rows is None else [i for u in units for i in self.rows[u]]
+
+    def step_label_tokens(self, epoch: int, index: int) -> int:
+        """Labelled tokens in the whole step, on every rank alike: the loss divides by it, so the
+        gradient is the same however the step is split."""
+        return sum(self.dataset.label_counts[i] for i in self.samples(self.order.step(epoch, index)))
+
+    def collate(self, units: Sequence[int]) -> dict:
         if self.rows is None:
             return self.dataset.collate(units)
         return self.dataset.collate_packed([self.rows[u] for u in units])

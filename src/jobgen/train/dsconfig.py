@@ -48,8 +48,13 @@ def _read(path: str) -> dict:
     return config
 
 
-def build_config(training: Training, world_size: int, precision: str, user_path: str | None) -> dict:
-    """The resolved config dict for `deepspeed.initialize`; `precision` is what actually runs."""
+SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def build_config(training: Training, world_size: int, precision: str, user_path: str | None,
+                 micro: int | None = None, accumulation: int | None = None) -> dict:
+    """The resolved config dict for `deepspeed.initialize`; `precision` is what actually runs;
+    `micro` x `accumulation` x `world_size` is the global batch (default: the job's fields)."""
     path = user_path or bundled_config_path(training.zero_stage)
     config = copy.deepcopy(_read(path))
     if "scheduler" in config:
@@ -57,7 +62,8 @@ def build_config(training: Training, world_size: int, precision: str, user_path:
             f"training.deepspeed_config: {path} has a 'scheduler' section, which would override "
             f"training.lr_schedule ({training.lr_schedule}); remove it and set lr_schedule/warmup_steps in the job"
         )
-    micro, accumulation = training.per_device_batch_size, training.gradient_accumulation
+    micro = micro or training.per_device_batch_size
+    accumulation = accumulation or training.gradient_accumulation
     _fill(config, ["train_micro_batch_size_per_gpu"], micro, path)
     _fill(config, ["gradient_accumulation_steps"], accumulation, path)
     _fill(config, ["train_batch_size"], micro * accumulation * world_size, path)
@@ -99,6 +105,12 @@ def _find_auto(node: Any, prefix: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+def without_split(config: dict) -> dict:
+    """`config` less the batch split, which a resume on another world size changes (the global
+    batch itself is checked against the checkpoint's)."""
+    return {k: v for k, v in config.items() if k not in SPLIT_KEYS}
 
 
 def digest(payload: Any) -> str:

@@ -4,11 +4,15 @@ Order of work, the same on every rank:
 1. `prepare()` checks the job, the data file and the model reference before any process group
    exists, so a user's mistake ends every rank at once with the same message.
 2. The process group starts (with a timeout); stale temporary checkpoints are removed and the
-   newest complete checkpoint is found and checked against this run (world size, settings).
+   newest complete checkpoint is found and checked against this run's settings. Its world size
+   may differ: the global batch (samples per optimizer step) is the checkpoint's, and this world
+   size only changes how it is split into micro-batches and accumulation rounds.
 3. Model, DeepSpeed engine and LR scheduler are built; a checkpoint, if any, is loaded, with
    every rank's RNG states; otherwise each rank seeds itself with seed + rank.
-4. Each optimizer step runs `gradient_accumulation` micro-batches; then one all_gather carries
-   loss, tokens, step time, memory and each rank's stop flag, so all ranks decide together.
+4. Each optimizer step runs its accumulation rounds; the loss of each is divided by the labelled
+   tokens of the whole step, so the gradient is the token mean over the step however it is split.
+   Then one all_gather carries loss, tokens, step time, memory and each rank's stop flag, so all
+   ranks decide together.
 5. Periodic checkpoints every `save_interval` steps, one at the last step, one when stopped;
    then the final model (adapters or full weights) and tokenizer go to OUTPUT_DIR/final.
 """
@@ -20,7 +24,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -29,9 +32,9 @@ from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
 from jobgen.job.conversations import Conversation, load_conversations
-from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset
+from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
-from jobgen.train.dsconfig import build_config, digest
+from jobgen.train.dsconfig import build_config, digest, without_split
 from jobgen.errors import UserError
 from jobgen.rundir.files import FINAL_MODEL
 from jobgen.train.exit_report import ExitReport
@@ -44,7 +47,10 @@ log = logging.getLogger("jobgen.train")
 
 # Settings that may change between a checkpoint and its resumption without breaking exact resume.
 # max_steps and epochs set the LR schedule's total, which is checked on its own (check_schedule_total).
+# per_device_batch_size and gradient_accumulation only split the global batch, which the
+# checkpoint keeps (global_batch_size is checked against it on its own, in Trainer.run).
 RESUME_SAFE_FIELDS = {
+    "per_device_batch_size", "gradient_accumulation", "global_batch_size",
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
     "output_dir", "step_seconds_estimate", "async_save",
     # A file reads as the same conversations whether its format is detected or named (a named
@@ -105,14 +111,9 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     conversations = load_conversations(resolved.data, training.data_format)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
+    # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
+    # checkpoint's, when resuming) and how this world size splits it.
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
-    per_rank = -(-len(conversations) // world_size)
-    batches = -(-per_rank // training.per_device_batch_size)
-    if batches < training.gradient_accumulation:
-        raise UserError(
-            f"{resolved.data}: {len(conversations)} conversations make {batches} micro-batches per rank, fewer than "
-            f"training.gradient_accumulation ({training.gradient_accumulation}): no optimizer step could run"
-        )
     state_fields = {k: v for k, v in resolved.model_dump().items() if k not in RESUME_SAFE_FIELDS}
     return Prepared(
         job=job,
@@ -123,17 +124,17 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         placement=placement,
         conversations=conversations,
         ds_config=ds_config,
-        config_digest=digest({"training": state_fields, "deepspeed": ds_config}),
+        config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
         step_delay=debug_step_delay(),
     )
 
 
-def total_steps_of(training: Training, batches_per_epoch: int) -> int:
+def total_steps_of(training: Training, steps_per_epoch: int) -> int:
     """Optimizer steps of the whole run: max_steps when set (the data cycles, epoch after epoch, as
-    in the Hugging Face Trainer), else every whole step of `epochs` passes."""
+    in the Hugging Face Trainer), else `epochs` passes (the last step of each may be short)."""
     if training.max_steps is not None:
         return training.max_steps
-    return (batches_per_epoch * training.epochs) // training.gradient_accumulation
+    return steps_per_epoch * training.epochs
 
 
 class LRFactor:
@@ -210,7 +211,14 @@ class Trainer:
             store.remove_stale_temps()
             found = store.find_latest()
             if found is not None:
-                ckpt.check_compatible(found, dist.world_size, self.p.config_digest, self._changed_fields(found))
+                ckpt.check_compatible(found, self.p.config_digest, self._changed_fields(found))
+            self.global_batch = self._global_batch(found)
+            self.micro, self.accumulation = split_global_batch(
+                self.global_batch, dist.world_size, t.per_device_batch_size, self.p.job.procs_per_node
+            )
+            self.p.ds_config = build_config(
+                t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation
+            )
         except UserError as exc:
             error = exc
         dist.raise_together(error)
@@ -223,10 +231,9 @@ class Trainer:
             chat = ChatTokenizer(tokenizer, t.max_length)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
             batches = MicroBatches.build(
-                dataset, dist.world_size, dist.rank, t.per_device_batch_size, t.seed, t.group_by_length,
-                t.max_length if t.packing else None,
+                dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
+                t.group_by_length, t.max_length if t.packing else None,
             )
-            _check_enough_batches(batches, t)
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
@@ -237,8 +244,8 @@ class Trainer:
         clock.mark("model load")
 
         order = batches.order
-        steps_per_epoch = order.batches_per_epoch // t.gradient_accumulation
-        total_steps = total_steps_of(t, order.batches_per_epoch)
+        steps_per_epoch = order.steps_per_epoch
+        total_steps = total_steps_of(t, steps_per_epoch)
         factor = LRFactor(t.lr_schedule, t.warmup_steps, total_steps)
         if found is not None:
             try:
@@ -258,10 +265,12 @@ class Trainer:
         first_step = 0
         if found is not None:
             loading = time.perf_counter()
-            store.load(engine, found)
+            store.load(engine, found, scheduler, t.seed)
             first_step = int(found.state["step"])
             if dist.is_main:
-                log.info("resumed from %s (step %d); checkpoint loaded in %.1f s", found.path, first_step,
+                written_by = int(found.manifest["world_size"])
+                resharded = "" if written_by == dist.world_size else f", written by {written_by} ranks, resharded to {dist.world_size}"
+                log.info("resumed from %s (step %d%s); checkpoint loaded in %.1f s", found.path, first_step, resharded,
                          time.perf_counter() - loading)
         else:
             _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
@@ -273,7 +282,26 @@ class Trainer:
                 t.method, t.zero_stage, self.p.precision, dist.world_size, total_steps, steps_per_epoch,
                 sum(p.numel() for p in trainable), _dtype_names(engine.module),
             )
+            log.info("global batch %d = %d ranks x micro-batch %d x %d accumulation", self.global_batch,
+                     dist.world_size, self.micro, self.accumulation)
         self._loop(engine, batches, first_step, total_steps)
+
+    def _global_batch(self, found: Optional[ckpt.Found]) -> int:
+        """The checkpoint's global batch when resuming (a run keeps its batch whatever its world
+        size), else the job's. Raises UserError if the job names another one."""
+        t = self.t
+        if found is None:  # the job's, on the smallest world size of a node range
+            return self.p.job.global_batch
+        saved = found.state.get("global_batch")
+        if saved is None:  # written before the global batch was recorded: by its own world size
+            saved = t.per_device_batch_size * t.gradient_accumulation * int(found.manifest["world_size"])
+        if t.global_batch_size is not None and t.global_batch_size != saved:
+            raise UserError(
+                f"training.global_batch_size: checkpoint {os.path.basename(found.path)} trained with {saved} samples "
+                f"per step, this job says {t.global_batch_size}: set global_batch_size: {saved} (or remove it) to resume, "
+                "or use a new training.output_dir to start a run with the new batch"
+            )
+        return int(saved)
 
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
@@ -284,7 +312,7 @@ class Trainer:
     def _loop(self, engine: Any, batches: MicroBatches, first_step: int, total_steps: int) -> None:
         dist, t, p = self.dist, self.t, self.p
         dataset, order = batches.dataset, batches.order
-        accumulation = t.gradient_accumulation
+        accumulation = batches.accumulation
         metrics = MetricsWriter(p.output_dir, dist.is_main, t.tensorboard, total_steps, first_step)
         sample_log = _sample_log(p.output_dir, dist.rank)
         engine.train()
@@ -296,19 +324,26 @@ class Trainer:
             while step < total_steps and not stop:
                 started = time.perf_counter()
                 loss_x_tokens, tokens, inputs, samples = 0.0, 0, 0, 0
+                epoch, index = divmod(step, order.steps_per_epoch)
+                # Every rank knows the whole step's labelled tokens from the order alone.
+                step_tokens = batches.step_label_tokens(epoch, index)
                 for micro in range(accumulation):
-                    epoch, index = divmod(step * accumulation + micro, order.batches_per_epoch)
-                    indices = batches.samples(epoch, index)
-                    cpu_batch = batches.collate(epoch, index)
+                    units = batches.units(epoch, index, micro)
+                    # The last step of an epoch may leave a rank nothing: it runs the step's first
+                    # unit with weight 0, as every rank must join the step's collectives.
+                    weight = 1.0 if units else 0.0
+                    indices = batches.samples(units)
+                    cpu_batch = batches.collate(units or order.step(epoch, index)[:1])
                     # Counted on the host copy, so the GPU path has no extra synchronisation.
-                    n = int((cpu_batch["labels"][:, 1:] != -100).sum())
+                    n = int((cpu_batch["labels"][:, 1:] != -100).sum()) if units else 0
                     inputs += dataset.tokens(indices)
                     samples += len(indices)
                     batch = {k: v.to(dist.device, non_blocking=True) for k, v in cpu_batch.items()}
-                    if sample_log:
+                    if sample_log and indices:
                         sample_log.write(json.dumps({"epoch": epoch, "step": step + 1, "ids": [dataset.ids[i] for i in indices]}) + "\n")
-                    loss_sum = _token_loss_sum(engine, batch)
-                    engine.backward(loss_sum / max(n, 1))
+                    loss_sum = _token_loss_sum(engine, batch) * weight
+                    # DeepSpeed averages gradients over the ranks; no division by the rounds here.
+                    engine.backward(loss_sum * (dist.world_size / max(step_tokens, 1)), scale_wrt_gas=False)
                     engine.step()
                     loss_x_tokens = loss_x_tokens + loss_sum.detach()
                     tokens += n
@@ -335,7 +370,7 @@ class Trainer:
                     metrics.write({
                         "step": step,
                         "time": time.time(),
-                        "epoch": (step * accumulation) / order.batches_per_epoch,
+                        "epoch": step / order.steps_per_epoch,
                         "loss": interval["loss_x_tokens"] / max(interval["tokens"], 1.0),
                         "lr": self.scheduler.get_last_lr()[0],
                         "tokens": int(interval["inputs"]),
@@ -391,10 +426,13 @@ class Trainer:
     # -------------------------------------------------------------- outputs
     def _save_checkpoint(self, step: int, order: BatchOrder, wait: bool = True) -> None:
         """Collective. With training.async_save, training resumes after the snapshot unless `wait`."""
-        epoch, consumed = divmod(step * self.t.gradient_accumulation, order.batches_per_epoch)
+        epoch, consumed = divmod(step, order.steps_per_epoch)
         state = {
             "epoch": epoch,
-            "batches_consumed": consumed,
+            "steps_in_epoch": consumed,
+            # What a resume on any world size keeps; the split is only this run's.
+            "global_batch": order.global_batch,
+            "split": {"micro_batch": self.micro, "accumulation": self.accumulation},
             "config_digest": self.p.config_digest,
             "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
             "lr_scheduler": self.scheduler.state_dict(),
@@ -509,15 +547,6 @@ def _cross_entropy_sum(logits: Any, labels: Any) -> Any:
     return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
 
-def _check_enough_batches(batches: MicroBatches, t: Training) -> None:
-    if batches.batches_per_epoch < t.gradient_accumulation:
-        unit = "packed rows" if t.packing else "conversations"
-        raise UserError(
-            f"{t.data}: the data makes {batches.batches_per_epoch} micro-batches of {unit} per rank, fewer than "
-            f"training.gradient_accumulation ({t.gradient_accumulation}): no optimizer step could run"
-        )
-
-
 def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> None:
     """Before anything is saved: a non-finite loss (computed in fp32) on any rank ends the run, so
     no checkpoint of diverged weights replaces the last good one. A non-finite gradient is
@@ -535,12 +564,7 @@ def _dtype_names(module: Any) -> str:
 
 
 def _seed_all(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    ckpt.seed_everything(seed)
 
 
 def _sample_log(output_dir: str, rank: int):
