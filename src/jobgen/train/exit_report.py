@@ -13,6 +13,10 @@ reader sees either no file or a whole one. Fields:
   `last_step`; for "failed", the one a restart would resume from) or null.
 - started_at, ended_at: ISO 8601 UTC; train_seconds: seconds spent in the training loop.
 - message: one human-readable line.
+- failure: for "failed", what kind, which decides the requeue (docs/exit-codes.md): "user_error",
+  "not_finite", "out_of_memory", "health_mismatch" and "crash" are not requeued; "node_health" is,
+  without `nodes`.
+- nodes: the nodes a failure is attributed to, space-separated (for the batch script), or "".
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+class NotFinite(RuntimeError):
+    """The loss is not finite (raised by the trainer): the run fails and is not requeued."""
+
+
 @dataclass
 class ExitReport:
     reason: str = "failed"
@@ -43,6 +51,8 @@ class ExitReport:
     ended_at: Optional[str] = None
     train_seconds: float = 0.0
     message: str = ""
+    failure: Optional[str] = None
+    nodes: str = ""
 
 
 def write_json_atomically(path: str, payload: dict) -> None:
