@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import jobgen
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
@@ -46,9 +47,10 @@ def fake_site_packages(folder: Path, package: str, version: str) -> Path:
 def test_a_node_with_another_package_version_ends_the_job_before_the_model_loads(tmp_path: Path, tiny: Path) -> None:
     stale = fake_site_packages(tmp_path / "stale-site", "peft", "0.0.1")
     setup = [f'if [[ $NODE_RANK == 1 ]]; then export PYTHONPATH={stale}${{PYTHONPATH:+:$PYTHONPATH}}; fi']
-    config = job_file(tmp_path / "job", tiny, "health-mismatch", environment={"setup": setup})
+    config = job_file(tmp_path / "job", tiny, "health-mismatch")
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "environment": {"setup": setup}}))
     job_id = submit("jobgen-submit", config, step_delay=0)
-    assert wait_until_done(job_id, timeout=600) == "FAILED"
+    assert wait_until_done(job_id, timeout=900) == "FAILED"
     run_dir = config.parent / "runs" / "jobgen-test-health-mismatch"
     second = hostnames(job_fields(job_id)["NodeList"])[1]
     from importlib.metadata import version
@@ -89,6 +91,8 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     job_id = submit("jobgen-submit", config, step_delay=2)
     run_dir = config.parent / "runs" / "jobgen-test-hang"
     stop_at = random.randint(3, 7)
+    # The cluster is shared: the job may wait for nodes before its steps start.
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
     wait_for_step(run_dir, stop_at)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
     nodes = hostnames(job_fields(job_id)["NodeList"])
