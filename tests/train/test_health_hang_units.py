@@ -56,6 +56,8 @@ def test_the_bound_follows_the_step_times_above_a_floor_and_is_longer_at_start_a
     assert hang_bound([20.0], "start-up") == STARTUP_SECONDS
     assert hang_bound([20.0], "saving") == SAVE_SECONDS
     assert hang_bound([20.0], "saving", save_seconds=[200.0]) == 600.0
+    assert hang_bound([20.0], "saving", override=30, save_seconds=[2.0]) == 30  # set: saves are not slower
+    assert hang_bound([20.0], "start-up", override=30) == STARTUP_SECONDS
 
 
 def test_the_ranks_that_stopped_first_are_the_frozen_ones_else_those_behind() -> None:

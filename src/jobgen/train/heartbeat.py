@@ -103,15 +103,16 @@ def hang_bound(step_seconds: list[float], phase: str, override: Optional[float] 
     """Seconds without a change in any rank's step or phase after which the job is hung.
 
     Training: `requeue.hang_seconds` when set, else STEP_FACTOR times the slowest of the last 20
-    step times, at least FLOOR_SECONDS. Start-up (before the segment's first step) and saving get
-    longer bounds: at least STARTUP_SECONDS, and at least SAVE_SECONDS or SAVE_FACTOR times the
-    slowest save seen."""
+    step times, at least FLOOR_SECONDS. Start-up (before the segment's first step): at least
+    STARTUP_SECONDS, whatever is set (imports and a model load can take minutes). Saving: at least
+    SAVE_FACTOR times the slowest save seen, and SAVE_SECONDS unless `requeue.hang_seconds` says
+    otherwise (whoever sets it knows their saves)."""
     recent = step_seconds[-20:]
     training = override if override else max(FLOOR_SECONDS, STEP_FACTOR * max(recent, default=0.0))
     if phase == "start-up":
         return max(training, STARTUP_SECONDS)
     if phase == "saving":
-        return max(training, SAVE_SECONDS, SAVE_FACTOR * max(save_seconds or [0.0]))
+        return max(training, 0.0 if override else SAVE_SECONDS, SAVE_FACTOR * max(save_seconds or [0.0]))
     return training
 
 
