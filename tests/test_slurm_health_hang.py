@@ -140,3 +140,45 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
           f"first new step {first_new_step - stopped_at:.0f} s after the stop; process-group timeout 1800 s")
+
+
+def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_exactly(
+        tmp_path: Path, tiny: Path, reference: dict, monkeypatch) -> None:
+    """The same, with the stop inside the save of step 8 (JOBGEN_DEBUG_SAVE_PAUSE holds every rank
+    5 s in its write so that the test can stop node 2 there); requeue.hang_seconds: 20 sets the bound."""
+    monkeypatch.setenv("JOBGEN_DEBUG_SAVE_PAUSE", "write@8:5")
+    config = job_file(tmp_path / "job", tiny, "hang-save", requeue={"hang_seconds": 20})
+    job_id = submit("jobgen-submit", config, step_delay=1)
+    run_dir = config.parent / "runs" / "jobgen-test-hang-save"
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
+    wait_for(lambda: (run_dir / "output" / "debug-save-pause-write-rank1").exists(), "node 2 inside the save of step 8",
+             timeout=300, every=0.2)
+    nodes = hostnames(job_fields(job_id)["NodeList"])
+    stopped = rank_pids(run_dir, 1)
+    stopped_at = time.time()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    hang = json.loads((run_dir / "hang.json").read_text())
+    detected = hang["at"] - stopped_at
+    assert hang["phase"] == "saving" and hang["bound_seconds"] == 20 and hang["nodes"] == nodes[1], hang
+    assert f"stopped first: node {nodes[1]} (rank 1: stopped)" in hang["message"], hang
+    assert detected <= 20 + 5 + 15, (detected, hang)  # the bound after the pause, and the supervisors' polling
+    assert wait_until_done(job_id) == "COMPLETED"
+    assert segments(run_dir)[0]["outcome"] == "hung"
+    continuation = wait_for(lambda: len(segments(run_dir)) > 1 and segments(run_dir)[1]["job_id"], "the continuation to start", timeout=600)
+    assert wait_until_done(continuation, timeout=600) == "COMPLETED"
+    assert nodes[1] not in hostnames(job_fields(continuation)["NodeList"])
+    second = segments(run_dir)[1]
+    # The save of step 8 never completed: the run resumes from step 4's.
+    assert second["outcome"] == "completed" and second["first_step"] == 4, second
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"hang in the save of step 8: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s)")
