@@ -108,7 +108,7 @@ def test_exit_report_is_written_whole(tmp_path):
     path = write_exit_report(str(tmp_path), report)
     payload = json.loads(open(path).read())
     assert set(payload) == {"reason", "signal", "first_step", "last_step", "checkpoint", "started_at",
-                            "ended_at", "train_seconds", "message"}
+                            "ended_at", "train_seconds", "message", "failure", "nodes"}
     assert payload["reason"] == "stopped" and payload["ended_at"] >= payload["started_at"]
     assert os.listdir(tmp_path) == ["trainer-exit.json"]
 
