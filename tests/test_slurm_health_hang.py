@@ -144,9 +144,12 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
 def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_exactly(
         tmp_path: Path, tiny: Path, reference: dict, monkeypatch) -> None:
     """The same, with the stop inside the save of step 8 (JOBGEN_DEBUG_SAVE_PAUSE holds every rank
-    5 s in its write so that the test can stop node 2 there); requeue.hang_seconds: 20 sets the bound."""
+    5 s in its write so that the test can stop node 2 there); requeue.hang_seconds: 20 sets the bound.
+    (With training.async_save, the default, the write runs beside training and a stop there is a
+    hang in training, which the first test covers.)"""
     monkeypatch.setenv("JOBGEN_DEBUG_SAVE_PAUSE", "write@8:5")
-    config = job_file(tmp_path / "job", tiny, "hang-save", requeue={"hang_seconds": 20})
+    # Synchronous saves: every rank is inside the save, not training beside a background write.
+    config = job_file(tmp_path / "job", tiny, "hang-save", requeue={"hang_seconds": 20}, training={"async_save": False})
     job_id = submit("jobgen-submit", config, step_delay=1)
     run_dir = config.parent / "runs" / "jobgen-test-hang-save"
     wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
