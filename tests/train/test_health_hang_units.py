@@ -129,3 +129,17 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
     for rank in (0, 1):
         text = (run_dir / "logs" / f"77-rank{rank}.out").read_text()
         assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
+
+
+def test_a_node_whose_supervisor_has_gone_silent_is_the_one_that_stopped(tmp_path: Path) -> None:
+    """A whole node frozen: its own supervisor stops publishing, and the others must name it."""
+    shared = tmp_path / "heartbeat"
+    shared.mkdir()
+    now = time.time()
+    for node, at in ((1, now - 1), (2, now - 120)):
+        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "at": at, "ranks": [
+            {"rank": node, "node": f"gpu{node}", "step": 9, "waiting": False, "alive": True, "state": "waiting"}]}))
+    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=3, override=None)
+    mine = [{"rank": 0, "node": "gpu0", "step": 9, "waiting": True, "alive": True, "state": "waiting"}]
+    first = stopped_first(supervisor.all_ranks(mine))
+    assert [(r["rank"], r["state"]) for r in first] == [(2, "silent node")]

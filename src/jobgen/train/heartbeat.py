@@ -40,6 +40,7 @@ STACK_SIGNAL = signal.SIGQUIT
 ALIVE_EVERY = 1.0
 ALIVE_STALE = 10.0  # a rank whose alive file is older than this is stopped or stuck
 PUBLISH_EVERY = 3.0
+NODE_SILENT = 30.0  # a node whose summary is older than this is frozen or gone, its supervisor with it
 
 # The bound: with nothing else known, a step that takes this long is a hang.
 FLOOR_SECONDS = 60.0
@@ -233,6 +234,8 @@ class Supervisor:
             except (OSError, ValueError):
                 continue
             if node.get("job_id") == self.job_id and str(node.get("restart")) == self.restart:
+                if time.time() - node.get("at", 0) > NODE_SILENT:  # its supervisor too is stopped, or the node is gone
+                    node["ranks"] = [dict(rank, alive=False, state="silent node") for rank in node["ranks"]]
                 ranks += node["ranks"]
         return ranks
 
