@@ -179,8 +179,9 @@ def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_e
     assert wait_until_done(continuation, timeout=600) == "COMPLETED"
     assert nodes[1] not in hostnames(job_fields(continuation)["NodeList"])
     second = segments(run_dir)[1]
-    # The save of step 8 never completed: the run resumes from step 4's.
-    assert second["outcome"] == "completed" and second["first_step"] == 4, second
+    # From the newest complete checkpoint: step 4's, or step 8's where the stopped rank, continued
+    # for its stack dump, finished its part of the save before it was killed (its pause had run out).
+    assert second["outcome"] == "completed" and second["first_step"] in (4, 8), second
     assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
     print(f"hang in the save of step 8: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s)")
