@@ -48,25 +48,27 @@ class SlurmTestCluster:
     state_dir: Path = Path(os.environ.get("JOBGEN_SLURM_DIR", "/var/tmp/jobgen-slurm"))
 
 
-def _cancel_test_jobs() -> None:
+def _cancel_test_jobs(basetemp: Path) -> None:
+    """This session's test jobs only: the cluster may be shared by several pytest sessions at
+    once, and a job's script (squeue's %o) lies under the session's own temporary folder."""
     listing = subprocess.run(
-        ["squeue", "--noheader", "--format=%A %j"],
+        ["squeue", "--noheader", "--format=%A|%j|%o"],
         capture_output=True, text=True, timeout=30, check=False,
     )
     job_ids = [
         job_id
-        for job_id, _, name in (line.partition(" ") for line in listing.stdout.splitlines())
-        if name.startswith(TEST_JOB_PREFIX)
+        for job_id, name, command in (line.split("|", 2) for line in listing.stdout.splitlines() if line.count("|") >= 2)
+        if name.startswith(TEST_JOB_PREFIX) and command.startswith(f"{basetemp}/")
     ]
     if job_ids:
         subprocess.run(["scancel", *job_ids], timeout=30, check=False)
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_cluster(tmp_path_factory):
     """Starts the test cluster (if it is not already up) and yields a `SlurmTestCluster`.
 
-    Tests name their jobs ``jobgen-test...``; those still queued at the end are cancelled.
+    Tests name their jobs ``jobgen-test...``; this session's still queued at the end are cancelled.
     """
     started = subprocess.run(
         [str(CLUSTER_SCRIPT), "start"],
@@ -83,4 +85,4 @@ def slurm_cluster():
             pytrace=False,
         )
     yield SlurmTestCluster()
-    _cancel_test_jobs()
+    _cancel_test_jobs(tmp_path_factory.getbasetemp().resolve())

@@ -135,7 +135,7 @@ def test_exit_report_is_written_whole(tmp_path, monkeypatch):
     path = write_exit_report(str(tmp_path), report)
     payload = json.loads(open(path).read())
     assert set(payload) == {"reason", "signal", "first_step", "last_step", "checkpoint", "started_at",
-                            "ended_at", "train_seconds", "message", "job_id", "restart"}
+                            "ended_at", "train_seconds", "message", "job_id", "restart", "failure", "nodes"}
     assert payload["reason"] == "stopped" and payload["ended_at"] >= payload["started_at"]
     # The segment it reports on, as segments.jsonl names it, for `jobgen status`.
     assert (payload["job_id"], payload["restart"]) == ("123", 2)

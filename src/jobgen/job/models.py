@@ -191,6 +191,9 @@ class Launch(_Strict):
     )
     rendezvous: Literal["static", "c10d"] = "static"
     network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
+    health_check: bool = Field(
+        True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
+    )
     socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
     collective_timeout_minutes: int = Field(
@@ -452,6 +455,10 @@ class Requeue(_Strict):
     )
     warning_seconds: int = Field(180, ge=30, le=3600)
     max_restarts: int = Field(5, ge=0, le=1000)
+    hang_seconds: Optional[int] = Field(
+        None, ge=10, le=86400,
+        description="seconds without a new step after which a job counts as hung; by default derived from its step times",
+    )
 
 
 class Job(_Strict):

@@ -25,10 +25,27 @@ LOCAL_PID = "local.pid"  # a local run's job id and the process running its scri
 CONTINUATION_SCRIPT = "job.pbs"  # the copy a PBS job submits as its own continuation
 CONTINUATION_ERRORS = "qsub.err"  # what qsub said when it refused that continuation
 HOSTFILE_PREFIX = "hosts."  # mpiexec's hostfile, one per job id
+HEALTH = "health.json"  # the latest segment's health gate: per node what was found, what differed, the figures
+HEALTH_HISTORY = "health.jsonl"  # one summary line per segment's gate (outcome, bus bandwidth), read by `jobgen status`
+HEALTH_CACHE = "health-cache"  # per node: content hashes of the data file and model folder by (path, size, mtime)
+HEARTBEATS = "heartbeat"  # per node: its ranks' step and phase, published by the node's hang supervisor
+HANG = "hang.json"  # the hang supervisor's finding: which ranks and nodes stopped first, after how long
+EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure attributed to them, one a line
+NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
+SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 # In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
 STARTUP_FILE = "startup.jsonl"  # where each segment's time to its first new step went
 FINAL_MODEL = "final"  # the final model (full weights) or adapter, and the tokenizer, once the run completes
+
+# Exit statuses, read by the batch script (templates get them as files.exit_*); docs/exit-codes.md.
+EXIT_USER_ERROR = 2  # the job or its inputs are wrong: not requeued
+EXIT_NOT_FINITE = 3  # the loss is not finite: not requeued
+EXIT_OUT_OF_MEMORY = 4  # out of memory: not requeued, the same job would run out again
+EXIT_HEALTH_MISMATCH = 5  # the nodes differ (versions, data, jobgen): not requeued, a person must fix it
+EXIT_NODE_FAILED = 75  # this node is bad (EX_TEMPFAIL): requeued without it; a site's check may use it
+EXIT_HUNG = 76  # the hang supervisor ended the ranks: requeued without the nodes that stopped first
+EXIT_DO_NOT_REQUEUE = 79  # a user's setup line says "do not requeue", whatever else happened
 
 
 def script(scheduler: str) -> str:
@@ -73,6 +90,19 @@ class _TemplateFiles:
     continuation_script = CONTINUATION_SCRIPT
     continuation_errors = CONTINUATION_ERRORS
     hostfile_prefix = HOSTFILE_PREFIX
+    health = HEALTH
+    hang = HANG
+    excluded_nodes = EXCLUDED_NODES
+    slurm_continuation = SLURM_CONTINUATION
+    node_exits = NODE_EXITS
+    heartbeats = HEARTBEATS
+    exit_user_error = EXIT_USER_ERROR
+    exit_not_finite = EXIT_NOT_FINITE
+    exit_out_of_memory = EXIT_OUT_OF_MEMORY
+    exit_health_mismatch = EXIT_HEALTH_MISMATCH
+    exit_node_failed = EXIT_NODE_FAILED
+    exit_hung = EXIT_HUNG
+    exit_do_not_requeue = EXIT_DO_NOT_REQUEUE
     batch_log = staticmethod(batch_log)
     node_log = staticmethod(node_log)
     rank_log = staticmethod(rank_log)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.errors import JobgenError
+from jobgen.rundir import files as runfiles
 from jobgen.rundir.outcome import attach_messages, format_lines, summary
 from jobgen.rundir.run import RunDir, find_run
 from jobgen.schedulers import get_scheduler
@@ -21,7 +22,7 @@ def collect(target: str) -> dict[str, Any]:
     segments = pair_segments(run.segments())
     if latest and state and _has_finished(latest["scheduler"], state["state"]):
         _close_open_segment(segments, latest["job_id"], run)
-    segments = attach_messages(attach_startups(killed_from_metrics(segments, run.path), run.path), run)
+    segments = attach_messages(attach_health(attach_startups(killed_from_metrics(segments, run.path), run.path), run.path), run)
     # The last loss, the final model, and why a segment failed; a probe's result instead of a goodput.
     outcome = summary(run, segments)
     return {
@@ -31,6 +32,7 @@ def collect(target: str) -> dict[str, Any]:
         "segments": segments,
         "goodput": None if outcome["probe"] else goodput(segments),
         **outcome,
+        "excluded_nodes": excluded_nodes(run.path),
     }
 
 
@@ -130,6 +132,43 @@ def attach_startups(segments: list[dict[str, Any]], run_path: Path) -> list[dict
     return segments
 
 
+def attach_health(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
+    """Each segment's health gate (RUN_DIR/health.jsonl): its outcome, problems and the best
+    all-reduce bus bandwidth it measured; None where the gate did not run."""
+    import json
+
+    found: dict[tuple[str, Any], dict[str, Any]] = {}
+    path = run_path / runfiles.HEALTH_HISTORY
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+                found[(str(entry.get("job_id")), entry.get("restart"))] = entry
+            except ValueError:
+                continue
+    for segment in segments:
+        entry = found.get((str(segment["job_id"]), segment["restart"]))
+        segment["health"] = None if entry is None else {
+            "ok": entry.get("ok"), "problems": entry.get("problems") or [],
+            "bus_bandwidth_gbps": entry.get("bus_bandwidth_best_gbps"), "seconds": sum((entry.get("phases") or {}).values()),
+        }
+    return segments
+
+
+def excluded_nodes(run_path: Path) -> list[str]:
+    """Nodes a requeue excluded after a failure attributed to them (kept across restarts)."""
+    path = run_path / runfiles.EXCLUDED_NODES
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _health_cell(segment: dict[str, Any]) -> tuple[str, str]:
+    health = segment.get("health")
+    if not health:
+        return "-", "-"
+    bandwidth = "-" if health["bus_bandwidth_gbps"] is None else f"{health['bus_bandwidth_gbps']:.2f} GB/s"
+    return ("ok" if health["ok"] else f"{len(health['problems'])} problem(s)"), bandwidth
+
+
 def goodput(segments: list[dict[str, Any]]) -> Optional[float]:
     """Training time the trainer reports, over the time the segments held their nodes."""
     allocated = useful = 0.0
@@ -151,12 +190,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"job {state['job_id']}  {state['state']}" + (f"  ({extra})" if extra else ""))
     if report["segments"]:
         lines.append("")
-        header = ("job", "restart", "started", "ended", "steps", "outcome", "to first step")
+        header = ("job", "restart", "started", "ended", "steps", "outcome", "to first step", "health", "bus bw")
         rows = [
             (
                 s["job_id"], str(s["restart"]), s["started_at"], s["ended_at"] or "-",
                 "-" if s["last_step"] is None else f"{s['first_step']}->{s['last_step']}", s["outcome"],
                 "-" if s.get("startup_seconds") is None else f"{s['startup_seconds']:.0f} s",
+                *_health_cell(s),
             )
             for s in report["segments"]
         ]
@@ -165,8 +205,13 @@ def format_table(report: dict[str, Any]) -> str:
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        for s in report["segments"]:
+            for problem in (s.get("health") or {}).get("problems", []):
+                lines.append(f"health check of job {s['job_id']}: {problem}")
     else:
         lines.append("no segment has started yet")
+    if report.get("excluded_nodes"):
+        lines.append(f"excluded nodes (after failures attributed to them): {', '.join(report['excluded_nodes'])}")
     if outcome := format_lines(report):
         lines.extend(["", *outcome])
     if report["goodput"] is not None:

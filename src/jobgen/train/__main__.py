@@ -11,8 +11,12 @@ from typing import Optional
 
 from jobgen.train.console import finish_output, route_output
 from jobgen.errors import UserError
-from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.lifeline import die_with_torchrun
+from jobgen.train.exit_report import ExitReport, NotFinite, write_exit_report
+from jobgen.rundir.files import (EXIT_HEALTH_MISMATCH, EXIT_NODE_FAILED, EXIT_NOT_FINITE, EXIT_OUT_OF_MEMORY,
+                                 EXIT_USER_ERROR)
+from jobgen.train.health import HealthCheckFailed
+from jobgen.train.heartbeat import install_stack_dump
 from jobgen.train.stop import STOP_FILE, StopRequest
 
 PROG = "jobgen-train"
@@ -42,6 +46,12 @@ def load_job(path: str):
         raise UserError(str(error).replace("\n", "; ")) from None
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parse_args(argv)
     die_with_torchrun()
@@ -58,6 +68,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         format=f"[{PROG} rank {rank}] %(levelname)s %(message)s",
         handlers=handlers,
     )
+    install_stack_dump()  # the hang supervisor's signal: every thread's stack into this rank's log
     # Installed before anything slow, so an early signal is not lost.
     stop = StopRequest(stop_file=os.path.join(run_dir, STOP_FILE)).install()
     report = ExitReport()
@@ -76,10 +87,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as exc:
         # One write, so the lines of ranks sharing a terminal or pipe do not interleave.
         os.write(2, f"{PROG}: error: {exc}\n".encode())
-        report.reason, report.message, code = "failed", str(exc), 2
+        report.reason, report.message, code = "failed", str(exc), EXIT_USER_ERROR
+        report.failure = "user_error"
+    except HealthCheckFailed as exc:
+        os.write(2, "".join(f"{PROG}: health check: {line}\n" for line in exc.lines).encode())
+        report.reason, report.message = "failed", str(exc)
+        report.failure, report.nodes = ("node_health" if exc.node_attributed else "health_mismatch"), " ".join(exc.nodes)
+        code = EXIT_NODE_FAILED if exc.node_attributed else EXIT_HEALTH_MISMATCH
+    except NotFinite as exc:
+        os.write(2, f"{PROG}: error: {exc}\n".encode())
+        report.reason, report.message, report.failure, code = "failed", str(exc), "not_finite", EXIT_NOT_FINITE
     except BaseException as exc:  # noqa: BLE001 - any crash must still leave trainer-exit.json
         traceback.print_exc()
         report.reason, report.message, code = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0], 1
+        report.failure = "crash"
+        if is_out_of_memory(exc):
+            report.failure, code = "out_of_memory", EXIT_OUT_OF_MEMORY
+            report.message = f"out of memory: {report.message} (lower training.per_device_batch_size or max_length, or raise zero_stage)"
         if node_log is not None and rank != 0:  # its traceback is in the rank's own log only
             node_log.write(f"{PROG} rank {rank}: error: {report.message}\n")
     finally:
@@ -91,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # Only after an end every rank agreed on. After a crash, another rank may be inside a
         # collective this one never joins, and NCCL's destroy_process_group can then block until
         # the process group's timeout; exiting is what tells the other ranks.
-        if getattr(trainer, "dist", None) is not None and code != 1:
+        if getattr(trainer, "dist", None) is not None and code in (0, EXIT_USER_ERROR, EXIT_HEALTH_MISMATCH, EXIT_NODE_FAILED):
             trainer.dist.close()
     # Everything is written and the process group is gone. Interpreter finalization can still
     # abort (SIGABRT) in gloo's worker threads, seen on a non-zero rank at the end of a complete

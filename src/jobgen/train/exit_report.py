@@ -15,6 +15,10 @@ reader sees either no file or a whole one. Fields:
 - message: one human-readable line.
 - job_id, restart: the segment this run was (JOBGEN_JOB_ID, JOBGEN_RESTART_COUNT), as segments.jsonl
   names it, so `jobgen status` shows the message beside its own segment.
+- failure: for "failed", what kind, which decides the requeue (docs/exit-codes.md): "user_error",
+  "not_finite", "out_of_memory", "health_mismatch" and "crash" are not requeued; "node_health" is,
+  without `nodes`.
+- nodes: the nodes a failure is attributed to, space-separated (for the batch script), or "".
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+class NotFinite(RuntimeError):
+    """The loss is not finite (raised by the trainer): the run fails and is not requeued."""
+
+
 @dataclass
 class ExitReport:
     reason: str = "failed"
@@ -48,6 +56,8 @@ class ExitReport:
     message: str = ""
     job_id: Optional[str] = field(default_factory=lambda: this_segment()["job_id"])
     restart: int = field(default_factory=lambda: this_segment()["restart"])
+    failure: Optional[str] = None
+    nodes: str = ""
 
 
 def write_json_atomically(path: str, payload: dict) -> None:

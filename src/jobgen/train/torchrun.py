@@ -7,6 +7,10 @@ raises its SignalException out of main, which prints a Python traceback into the
 what is a normal stop. This runs torchrun's own main and turns that exception into one line; what
 the ranks did is in RUN_DIR/trainer-exit.json, which the batch script reads.
 
+Inside a jobgen job it also runs the node's hang supervisor (jobgen.train.heartbeat): when the
+job's steps stop advancing past the bound, it dumps the ranks' stacks, ends them and this exits
+with EXIT_HUNG (RUN_DIR/hang.json says which ranks and nodes stopped first).
+
 How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
 requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
 2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
@@ -62,15 +66,32 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
+    from jobgen.rundir.files import EXIT_HUNG
+    from jobgen.train.heartbeat import Supervisor
+
     grace = shutdown_timeout_from_env()
     if grace is not None and not torch_reads_shutdown_timeout():
         honour_shutdown_timeout(grace)
+    supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
+    if supervisor is not None:
+        supervisor.start()
     try:
         torchrun_main()
     except SignalException as stop:
+        if supervisor is not None and supervisor.hung:
+            sys.stderr.write(f"jobgen-torchrun: the job hung: {supervisor.hung['message']}\n")
+            sys.exit(EXIT_HUNG)
         name = getattr(stop.sigval, "name", str(stop.sigval))
         sys.stderr.write(f"jobgen-torchrun: {name}: the ranks were told to stop and have exited\n")
         sys.exit(128 + int(stop.sigval))
+    except BaseException:
+        if supervisor is not None and supervisor.hung:  # the ranks it ended: torchrun reports them failed
+            sys.stderr.write(f"jobgen-torchrun: the job hung: {supervisor.hung['message']}\n")
+            sys.exit(EXIT_HUNG)
+        raise
+    finally:
+        if supervisor is not None:
+            supervisor.close()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest, without_split
 from jobgen.errors import UserError
 from jobgen.rundir.files import FINAL_MODEL
-from jobgen.train.exit_report import ExitReport
+from jobgen.train.exit_report import ExitReport, NotFinite
+from jobgen.train import health
+from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
@@ -179,6 +181,7 @@ class Trainer:
         self._slowest_step = 0.0
         self._warned_slow_stop = False
         self.clock = StartupClock()  # from the process's start: a restart's cost, phase by phase
+        self.beat = Heartbeat(info.rank, health.node_name())  # what the node's hang supervisor reads
 
     # --------------------------------------------------------------- set-up
     def run(self) -> None:
@@ -224,6 +227,10 @@ class Trainer:
         dist.raise_together(error)
         self.report.checkpoint = found.path if found else None
         clock.mark("process group")
+        if self.p.job.launch.health_check:
+            # Before any weight is read: a node that differs ends the job here, in seconds.
+            health.check(dist, self.p.run_dir, t.data, t.model, self.p.job.resources.gpus_per_node)
+            clock.mark("health check")
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
@@ -352,10 +359,12 @@ class Trainer:
                 step += 1
                 if p.step_delay:
                     time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
+                self.beat.beat(step, "training", waiting=True)
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
                      *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum)]
                 )
+                self.beat.beat(step, "training")
                 check_finite(step, [row[0] for row in rows], self.report.checkpoint)
                 stop = self._note_signal(max(int(row[8]) for row in rows))
                 self._slowest_step = max(row[4] for row in rows)
@@ -400,6 +409,7 @@ class Trainer:
             return
         if not (self.report.checkpoint or "").endswith(ckpt.step_name(step)):
             self._save_checkpoint(step, order)
+        self.beat.beat(step, "saving")
         final = self._save_final()
         self.report.reason = "completed"
         self.report.message = f"completed {step} steps; final model in {final}"
@@ -438,6 +448,13 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
         }
         started = time.perf_counter()
+        self.beat.beat(step, "saving")
+        try:
+            self._save(step, state, wait, started)
+        finally:
+            self.beat.beat(step, "training")
+
+    def _save(self, step: int, state: dict, wait: bool, started: float) -> None:
         if self.saves:
             waited = self.saves.start(self.engine, step, state)
             if self.dist.is_main:
@@ -552,7 +569,7 @@ def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> N
     no checkpoint of diverged weights replaces the last good one. A non-finite gradient is
     DeepSpeed's to skip (its overflow check, on for bf16 and fp16)."""
     if not all(math.isfinite(v) for v in losses):
-        raise RuntimeError(
+        raise NotFinite(
             f"training diverged at step {step}: the loss is not finite (lower "
             f"training.learning_rate, or use bf16 instead of fp16); the last checkpoint, {checkpoint or 'none'}, is kept"
         )

@@ -1,0 +1,364 @@
+"""Progress reports from the ranks, and the node's hang supervisor that reads them.
+
+Ranks: each writes its step and phase ("start-up", "training", "saving") to a small file in a
+node-local folder (JOBGEN_HEARTBEAT_DIR, in /dev/shm where there is one; set by jobgen-torchrun)
+at every step, and to mark that it has computed a step and waits in the step's collective. No
+collective is involved. A thread touches a second file every second: a rank that is stopped
+(SIGSTOP, a frozen node) or stuck holding the interpreter stops touching it, while a rank that only
+waits in a collective for others keeps touching it. That tells who stopped first.
+
+Supervisor (one per node, in jobgen-torchrun): every second it reads its ranks' files, publishes a
+summary to RUN_DIR/heartbeat/node-K.json every few seconds, and reads every node's summary. When
+the job's steps have not changed for longer than the bound (`hang_bound`), it writes
+RUN_DIR/hang.json (the first supervisor to decide does; the others follow it), dumps every local
+rank's Python stack into its rank log (py-spy where installed, else faulthandler on SIGQUIT),
+and kills its ranks. jobgen-torchrun then exits with EXIT_HUNG; the batch script requeues.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from jobgen.rundir.files import HANG, HEARTBEATS, rank_log
+
+log = logging.getLogger("jobgen.train")
+
+HEARTBEAT_DIR_ENV = "JOBGEN_HEARTBEAT_DIR"
+HANG_SECONDS_ENV = "JOBGEN_HANG_SECONDS"
+STACK_SIGNAL = signal.SIGQUIT
+ALIVE_EVERY = 1.0
+ALIVE_STALE = 10.0  # a rank whose alive file is older than this is stopped or stuck
+PUBLISH_EVERY = 3.0
+NODE_SILENT = 30.0  # a node whose summary is older than this is frozen or gone, its supervisor with it
+
+# The bound: with nothing else known, a step that takes this long is a hang.
+FLOOR_SECONDS = 60.0
+STEP_FACTOR = 5.0  # times the slowest of the recent steps
+STARTUP_SECONDS = 900.0  # start-up (imports, model load, first step): within the default 30 min timeout
+SAVE_SECONDS = 300.0
+SAVE_FACTOR = 3.0  # times the slowest save seen
+
+
+def install_stack_dump() -> None:
+    """In a rank: on SIGQUIT, every thread's Python stack goes to stderr (the rank's log)."""
+    import faulthandler
+
+    try:
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
+class Heartbeat:
+    """A rank's progress file; does nothing outside jobgen-torchrun (no JOBGEN_HEARTBEAT_DIR)."""
+
+    def __init__(self, rank: int, node: str) -> None:
+        self.dir = os.environ.get(HEARTBEAT_DIR_ENV)
+        self.rank, self.node = rank, node
+        self.state: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "node": node, "step": 0, "phase": "start-up",
+                                      "waiting": False}
+        if self.dir:
+            self._alive = os.path.join(self.dir, f"rank{rank}.alive")
+            self._write()
+            threading.Thread(target=self._touch, name="jobgen-heartbeat", daemon=True).start()
+
+    def beat(self, step: int, phase: str, waiting: bool = False) -> None:
+        if self.dir:
+            self.state.update(step=step, phase=phase, waiting=waiting)
+            self._write()
+
+    def _write(self) -> None:
+        path = os.path.join(self.dir, f"rank{self.rank}.json")
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                json.dump(self.state, handle)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _touch(self) -> None:
+        while True:
+            try:
+                with open(self._alive, "a"):
+                    os.utime(self._alive)
+            except OSError:
+                pass
+            time.sleep(ALIVE_EVERY)
+
+
+# ------------------------------------------------------------ the bound
+def hang_bound(step_seconds: list[float], phase: str, override: Optional[float] = None,
+               save_seconds: Optional[list[float]] = None) -> float:
+    """Seconds without a change in any rank's step or phase after which the job is hung.
+
+    Training: `requeue.hang_seconds` when set, else STEP_FACTOR times the slowest of the last 20
+    step times, at least FLOOR_SECONDS. Start-up (before the segment's first step): at least
+    STARTUP_SECONDS, whatever is set (imports and a model load can take minutes). Saving: at least
+    SAVE_FACTOR times the slowest save seen, and SAVE_SECONDS unless `requeue.hang_seconds` says
+    otherwise (whoever sets it knows their saves)."""
+    recent = step_seconds[-20:]
+    training = override if override else max(FLOOR_SECONDS, STEP_FACTOR * max(recent, default=0.0))
+    if phase == "start-up":
+        return max(training, STARTUP_SECONDS)
+    if phase == "saving":
+        return max(training, 0.0 if override else SAVE_SECONDS, SAVE_FACTOR * max(save_seconds or [0.0]))
+    return training
+
+
+def stopped_first(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks that stopped first: those not alive (stopped, gone, stuck) when some are; else
+    those furthest behind (lowest step; computed but not yet waiting in the collective counts as
+    behind one that waits); all of them when nothing tells them apart."""
+    frozen = [r for r in ranks if not r.get("alive", True)]
+    if frozen and len(frozen) < len(ranks):
+        return frozen
+    pool = frozen or ranks
+    key = [(r.get("step", 0), bool(r.get("waiting"))) for r in pool]
+    low = min(key, default=None)
+    behind = [r for r, k in zip(pool, key) if k == low]
+    return behind if len(behind) < len(pool) else pool
+
+
+def describe_hang(seconds: float, bound: float, step: int, culprits: list[dict[str, Any]], world: int) -> str:
+    """One line: "no step for 63 s (bound 60 s) after step 5; stopped first: node node2 (ranks 2, 3: stopped)"."""
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for rank in culprits:
+        by_node.setdefault(rank.get("node", "?"), []).append(rank)
+    parts = []
+    for node, ranks in sorted(by_node.items()):
+        states = sorted({r.get("state", "waiting") for r in ranks})
+        numbers = ", ".join(str(r["rank"]) for r in sorted(ranks, key=lambda r: r["rank"]))
+        parts.append(f"node {node} (rank{'s' if len(ranks) > 1 else ''} {numbers}: {'/'.join(states)})")
+    who = "; ".join(parts) if len(culprits) < world else "every rank alike (" + "; ".join(parts) + ")"
+    return f"no progress for {seconds:.0f} s (bound {bound:.0f} s) after step {step}; stopped first: {who}"
+
+
+# ------------------------------------------------------------ supervisor
+def process_state(pid: int) -> Optional[str]:
+    """'R', 'S', 'T' (stopped), ... from /proc; None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return None if state in ("Z", "X") else state
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class Supervisor:
+    run_dir: str
+    job_id: str
+    restart: str
+    node_rank: int
+    nnodes: int
+    override: Optional[float]
+    local_dir: str = ""
+    hung: Optional[dict] = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def from_env(cls) -> Optional["Supervisor"]:
+        run_dir, job_id = os.environ.get("JOBGEN_RUN_DIR"), os.environ.get("JOBGEN_JOB_ID")
+        if not run_dir or not job_id or not os.path.isdir(run_dir):
+            return None
+        raw = os.environ.get(HANG_SECONDS_ENV, "").strip()
+        if raw == "off":
+            return None
+        override = float(raw) if raw.replace(".", "", 1).isdigit() else None
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        supervisor = cls(run_dir, job_id, os.environ.get("JOBGEN_RESTART_COUNT", "0"),
+                         int(os.environ.get("NODE_RANK", "0") or 0), int(os.environ.get("NNODES", "1") or 1), override)
+        supervisor.local_dir = tempfile.mkdtemp(prefix=f"jobgen-heartbeat-{job_id}-", dir=base)
+        os.environ[HEARTBEAT_DIR_ENV] = supervisor.local_dir
+        return supervisor
+
+    @property
+    def shared_dir(self) -> str:
+        return os.path.join(self.run_dir, HEARTBEATS)
+
+    def start(self) -> "Supervisor":
+        threading.Thread(target=self._run, name="jobgen-hang-supervisor", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    # -- reading
+    def local_ranks(self) -> list[dict[str, Any]]:
+        ranks = []
+        now = time.time()
+        for name in sorted(os.listdir(self.local_dir)):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.local_dir, name), encoding="utf-8") as handle:
+                    rank = json.load(handle)
+                alive_at = os.path.getmtime(os.path.join(self.local_dir, name[:-5] + ".alive"))
+            except (OSError, ValueError):
+                continue
+            state = process_state(rank["pid"])
+            rank["alive_age"] = round(now - alive_at, 1)
+            rank["state"] = {None: "gone", "T": "stopped", "t": "stopped"}.get(state, "stuck" if rank["alive_age"] > ALIVE_STALE else "waiting")
+            rank["alive"] = rank["state"] == "waiting"
+            ranks.append(rank)
+        return ranks
+
+    def publish(self, ranks: list[dict[str, Any]]) -> None:
+        from jobgen.train.exit_report import write_json_atomically
+
+        write_json_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"),
+                              {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank,
+                               "at": time.time(), "ranks": ranks})
+
+    def all_ranks(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ranks = list(mine)
+        for k in range(self.nnodes):
+            if k == self.node_rank:
+                continue
+            try:
+                with open(os.path.join(self.shared_dir, f"node-{k}.json"), encoding="utf-8") as handle:
+                    node = json.load(handle)
+            except (OSError, ValueError):
+                continue
+            if node.get("job_id") == self.job_id and str(node.get("restart")) == self.restart:
+                if time.time() - node.get("at", 0) > NODE_SILENT:  # its supervisor too is stopped, or the node is gone
+                    node["ranks"] = [dict(rank, alive=False, state="silent node") for rank in node["ranks"]]
+                ranks += node["ranks"]
+        return ranks
+
+    def decided(self) -> Optional[dict]:
+        try:
+            with open(os.path.join(self.run_dir, HANG), encoding="utf-8") as handle:
+                found = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        return found if found.get("job_id") == self.job_id and str(found.get("restart")) == self.restart else None
+
+    # -- the loop
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as exc:  # noqa: BLE001 - the supervisor must never take the node down
+            log.warning("jobgen hang supervisor stopped: %s", exc)
+
+    def _watch(self) -> None:
+        os.makedirs(self.shared_dir, exist_ok=True)
+        last_key, last_change = None, None
+        top_step, top_at = None, None
+        step_seconds: list[float] = []
+        save_seconds: list[float] = []
+        saving_since = None
+        published = 0.0
+        while not self._stop.wait(1.0):
+            mine = self.local_ranks()
+            if not mine:
+                continue
+            now = time.monotonic()
+            if now - published >= PUBLISH_EVERY:
+                self.publish(mine)
+                published = now
+            if any(r["state"] == "gone" for r in mine):
+                return  # a rank ended: torchrun takes it from here
+            found = self.decided()
+            if found:
+                self._end(found, mine)
+                return
+            ranks = self.all_ranks(mine)
+            key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"]) for r in ranks))
+            if key != last_key:
+                last_key, last_change = key, now
+            step = max(r["step"] for r in ranks)
+            if top_step is None or step > top_step:
+                if top_step is not None and top_at is not None and step == top_step + 1:
+                    step_seconds.append(now - top_at)
+                top_step, top_at = step, now
+            phases = {r["phase"] for r in ranks}
+            phase = "saving" if "saving" in phases else ("start-up" if "start-up" in phases else "training")
+            if "saving" in phases and saving_since is None:
+                saving_since = now
+            elif "saving" not in phases and saving_since is not None:
+                save_seconds.append(now - saving_since)
+                saving_since = None
+            bound = hang_bound(step_seconds[1:] if len(step_seconds) > 1 else [], phase, self.override, save_seconds)
+            if now - last_change > bound:
+                culprits = stopped_first(ranks)
+                world = len(ranks)
+                finding = {
+                    "job_id": self.job_id, "restart": self.restart, "detected_by_node": self.node_rank,
+                    "at": time.time(), "seconds_without_progress": round(now - last_change, 1), "bound_seconds": round(bound, 1),
+                    "phase": phase, "step": step, "ranks": sorted(r["rank"] for r in culprits),
+                    "nodes": " ".join(sorted({r["node"] for r in culprits})) if len(culprits) < world else "",
+                    "message": describe_hang(now - last_change, bound, step, culprits, world),
+                    "step_seconds_recent": [round(s, 2) for s in step_seconds[-5:]],
+                }
+                self._claim(finding)
+                self._end(self.decided() or finding, mine)
+                return
+
+    def _claim(self, finding: dict) -> None:
+        """The first supervisor to decide writes hang.json; a later one's finding is dropped."""
+        path = os.path.join(self.run_dir, HANG)
+        tmp = f"{path}.{self.node_rank}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(finding, handle, indent=2)
+            handle.write("\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if self.decided() is None:  # a stale one from an earlier segment
+                os.replace(tmp, path)
+                return
+        os.unlink(tmp)
+
+    def _end(self, finding: dict, mine: list[dict[str, Any]]) -> None:
+        self.hung = finding
+        sys.stderr.write(f"jobgen-torchrun: node {self.node_rank}: hung: {finding['message']}; dumping the ranks' stacks "
+                         "and ending them\n")
+        sys.stderr.flush()
+        for rank in mine:
+            self._dump_stack(rank)
+        time.sleep(2.0)
+        for rank in mine:
+            try:
+                os.kill(rank["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _dump_stack(self, rank: dict[str, Any]) -> None:
+        path = os.path.join(self.run_dir, rank_log(self.job_id, rank["rank"]))
+        note = (f"\njobgen hang supervisor: rank {rank['rank']} on {rank['node']} is {rank['state']} at step "
+                f"{rank['step']} ({rank['phase']}); its stack:\n")
+        try:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(note)
+        except OSError:
+            pass
+        spy = shutil.which("py-spy")
+        if spy:
+            try:
+                out = subprocess.run([spy, "dump", "--pid", str(rank["pid"])], capture_output=True, text=True, timeout=20)
+                if out.returncode == 0:
+                    with open(path, "a", encoding="utf-8") as handle:
+                        handle.write(out.stdout)
+                    return
+            except (OSError, subprocess.SubprocessError):
+                pass
+        try:  # faulthandler in the rank writes it; a stopped rank runs its handler once continued
+            os.kill(rank["pid"], STACK_SIGNAL)
+            if rank["state"] == "stopped":
+                os.kill(rank["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,83 @@
+"""What a node's setup line can say with its exit status (docs/exit-codes.md), through a real
+local run of the batch script (two simulated nodes, jobgen-probe: seconds, no model); and, on the
+Slurm test cluster, that a job left without enough nodes to exclude its bad ones says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import jobgen
+
+VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
+def probe_job(folder: Path, name: str, setup: list[str], **resources) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00", **resources},
+        "launch": {"procs_per_node": 1, "entrypoint": "jobgen-probe"},
+        "environment": {"setup": setup},
+        "training": {"model": "unused", "data": "unused"},
+    }))
+    return path
+
+
+def outcomes(run_dir: Path) -> list[str]:
+    from jobgen.rundir.status import pair_segments
+
+    return [s["outcome"] for s in pair_segments([json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()])]
+
+
+def run_local(folder: Path, setup: list[str]) -> tuple[Path, str]:
+    config = probe_job(folder, "kinds", setup)
+    out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", str(config)], cwd=folder,
+                         env={**os.environ, "PATH": VENV_PATH}, capture_output=True, text=True, timeout=300)
+    return folder / "runs" / "kinds", out.stdout + out.stderr
+
+
+def test_a_setup_line_exiting_75_is_a_node_failure_that_names_and_excludes_the_node(tmp_path: Path) -> None:
+    run_dir, output = run_local(tmp_path, ['if [[ $NODE_RANK == 1 ]]; then exit 75; fi'])
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert outcomes(run_dir) == ["node_failed"], output
+    log = jobgen("logs", str(run_dir)).stdout
+    assert f"jobgen: node failure: node(s) {host} exited 75 (node failure)" in log
+    assert (run_dir / "excluded-nodes").read_text().split() == [host]
+    assert f"excluded nodes (after failures attributed to them): {host}" in jobgen("status", str(run_dir)).stdout
+
+
+def test_a_setup_line_exiting_79_says_do_not_requeue(tmp_path: Path) -> None:
+    run_dir, output = run_local(tmp_path, ['if [[ $NODE_RANK == 1 ]]; then exit 79; fi'])
+    assert outcomes(run_dir) == ["failed"], output
+    log = jobgen("logs", str(run_dir)).stdout
+    assert "s setup exited 79: do not requeue" in log and "not requeued" in log
+    assert not (run_dir / "excluded-nodes").exists()
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_slurm_job_that_cannot_be_placed_without_its_excluded_nodes_says_so(tmp_path: Path) -> None:
+    from tests.test_slurm_requeue import job_fields, wait_until_done
+
+    config = probe_job(tmp_path, "jobgen-test-unplaceable", ['if [[ $NODE_RANK == 1 ]]; then exit 75; fi'],
+                       partition="debug", exclusive=True)
+    run_dir = tmp_path / "runs" / "jobgen-test-unplaceable"
+    run_dir.mkdir(parents=True)
+    (run_dir / "excluded-nodes").write_text("node1\nnode2\nnode3\n")  # from this run's earlier failures
+    out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(config)], cwd=tmp_path,
+                         env={**os.environ, "PATH": VENV_PATH}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    job_id = json.loads((run_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+    assert wait_until_done(job_id, timeout=900) == "FAILED"
+    assert job_fields(job_id)["Restarts"] == "0"
+    log = jobgen("logs", str(run_dir)).stdout
+    assert "jobgen: not requeued: the job needs 2 nodes but partition debug has " in log
+    assert "usable ones left after excluding node1,node2,node3" in log
+    assert not (run_dir / "job.slurm-continuation.sh").exists()

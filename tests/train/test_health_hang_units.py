@@ -1,0 +1,145 @@
+"""The health gate's report and cache, the hang bound, and the node supervisor on real processes;
+no cluster needed (tests/test_slurm_health_hang.py runs both on one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from jobgen.train import health
+from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
+                                    hang_bound, stopped_first)
+
+
+def test_a_node_off_the_majority_is_named_with_what_the_others_have() -> None:
+    nodes = {name: {"torch": "2.6.0", "peft": "0.14.0"} for name in ("gpu01", "gpu02", "gpu17", "gpu20")}
+    nodes["gpu17"]["torch"] = "2.5.1"
+    nodes["gpu20"]["peft"] = None
+    lines, differed = health.compare(nodes, "gpu01")
+    assert lines == ["node gpu20: peft not installed, the other 3 nodes 0.14.0", "node gpu17: torch 2.5.1, the other 3 nodes 2.6.0"]
+    assert differed == {"gpu01": [], "gpu02": [], "gpu17": ["torch"], "gpu20": ["peft"]}
+
+
+def test_with_two_nodes_the_first_node_is_taken_as_right() -> None:
+    lines, _ = health.compare({"node1": {"data sha256": "aaa"}, "node2": {"data sha256": "bbb"}}, "node1")
+    assert lines == ["node node2: data sha256 bbb, the other node aaa"]
+
+
+def test_the_data_hash_is_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
+    data = tmp_path / "data.json"
+    data.write_bytes(b"x" * 1000)
+    first = health.HashCache(str(tmp_path / "run"), "node1")
+    found = first.file_hash(str(data))
+    first.save()
+    assert first.misses == 1
+    # Same size and mtime, other bytes: a restart trusts the cache and does not read the file again.
+    stat = data.stat()
+    data.write_bytes(b"y" * 1000)
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = health.HashCache(str(tmp_path / "run"), "node1")
+    assert again.file_hash(str(data)) == found and (again.hits, again.misses) == (1, 0)
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: hashed again
+    assert health.HashCache(str(tmp_path / "run"), "node1").file_hash(str(data))["sha256"] != found["sha256"]
+
+
+def test_the_bound_follows_the_step_times_above_a_floor_and_is_longer_at_start_and_save() -> None:
+    assert hang_bound([], "training") == FLOOR_SECONDS
+    assert hang_bound([2.0, 3.0], "training") == FLOOR_SECONDS
+    assert hang_bound([20.0, 30.0, 25.0], "training") == 150.0  # five times the slowest recent step
+    assert hang_bound([20.0, 30.0], "training", override=45) == 45
+    assert hang_bound([20.0], "start-up") == STARTUP_SECONDS
+    assert hang_bound([20.0], "saving") == SAVE_SECONDS
+    assert hang_bound([20.0], "saving", save_seconds=[200.0]) == 600.0
+    assert hang_bound([20.0], "saving", override=30, save_seconds=[2.0]) == 30  # set: saves are not slower
+    assert hang_bound([20.0], "start-up", override=30) == STARTUP_SECONDS
+
+
+def test_the_ranks_that_stopped_first_are_the_frozen_ones_else_those_behind() -> None:
+    ranks = [
+        {"rank": 0, "node": "node1", "step": 5, "waiting": True, "alive": True, "state": "waiting"},
+        {"rank": 1, "node": "node1", "step": 5, "waiting": True, "alive": True, "state": "waiting"},
+        {"rank": 2, "node": "node2", "step": 4, "waiting": False, "alive": False, "state": "stopped"},
+        {"rank": 3, "node": "node2", "step": 5, "waiting": False, "alive": False, "state": "stopped"},
+    ]
+    first = stopped_first(ranks)
+    assert [r["rank"] for r in first] == [2, 3]
+    assert describe_hang(63.2, 60, 5, first, 4) == (
+        "no progress for 63 s (bound 60 s) after step 5; stopped first: node node2 (ranks 2, 3: stopped)")
+    alive = [dict(r, alive=True, state="waiting") for r in ranks]
+    assert [r["rank"] for r in stopped_first(alive)] == [2]  # behind: still at step 4
+    same = [dict(r, step=5, waiting=True) for r in alive]
+    assert "every rank alike" in describe_hang(70, 60, 5, stopped_first(same), 4)
+
+
+RANK = textwrap.dedent("""
+    import os, sys, time
+    from jobgen.train.heartbeat import Heartbeat, install_stack_dump
+    install_stack_dump()
+    beat = Heartbeat(int(sys.argv[1]), sys.argv[2])
+    for step in range(1, 4):
+        beat.beat(step, "training", waiting=True)
+        beat.beat(step, "training")
+        time.sleep(0.2)
+    beat.beat(4, "training", waiting=True)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.5)  # "in the collective" of step 4
+""")
+
+
+def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(tmp_path: Path) -> None:
+    """Two real rank processes; one is stopped with SIGSTOP. The supervisor must name it, write
+    hang.json, put both stacks into their rank logs and kill both, within the bound."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    env = {"JOBGEN_RUN_DIR": str(run_dir), "JOBGEN_JOB_ID": "77", "JOBGEN_RESTART_COUNT": "0", "NODE_RANK": "0",
+           "NNODES": "1", "JOBGEN_HANG_SECONDS": "4"}
+    saved = {k: os.environ.get(k) for k in [*env, "JOBGEN_HEARTBEAT_DIR"]}
+    os.environ.update(env)
+    try:
+        supervisor = Supervisor.from_env()
+        ranks = []
+        for rank in (0, 1):
+            log = open(run_dir / "logs" / f"77-rank{rank}.out", "a")  # as a rank's log is: appended to
+            ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(rank), "node1"], stdout=subprocess.PIPE,
+                                          stderr=log, text=True))
+        for proc in ranks:
+            assert proc.stdout.readline().strip() == "ready"
+        supervisor.start()
+        time.sleep(1.5)
+        stopped = time.monotonic()
+        ranks[1].send_signal(signal.SIGSTOP)
+        codes = [proc.wait(timeout=30) for proc in ranks]
+        took = time.monotonic() - stopped
+        supervisor.close()
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL]
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert hang["ranks"] == [1] and hang["nodes"] == "node1" and hang["bound_seconds"] == 4
+    assert "stopped first: node node1 (rank 1: stopped)" in hang["message"]
+    assert took < 4 + 10
+    for rank in (0, 1):
+        text = (run_dir / "logs" / f"77-rank{rank}.out").read_text()
+        assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
+
+
+def test_a_node_whose_supervisor_has_gone_silent_is_the_one_that_stopped(tmp_path: Path) -> None:
+    """A whole node frozen: its own supervisor stops publishing, and the others must name it."""
+    shared = tmp_path / "heartbeat"
+    shared.mkdir()
+    now = time.time()
+    for node, at in ((1, now - 1), (2, now - 120)):
+        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "at": at, "ranks": [
+            {"rank": node, "node": f"gpu{node}", "step": 9, "waiting": False, "alive": True, "state": "waiting"}]}))
+    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=3, override=None)
+    mine = [{"rank": 0, "node": "gpu0", "step": 9, "waiting": True, "alive": True, "state": "waiting"}]
+    first = stopped_first(supervisor.all_ranks(mine))
+    assert [(r["rank"], r["state"]) for r in first] == [(2, "silent node")]
