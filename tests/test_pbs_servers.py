@@ -326,6 +326,48 @@ def test_openpbs_a_secret_its_qsub_would_change_is_refused_before_submitting(ope
     assert not (run_dir_of(folder, job) / "submissions.jsonl").exists()
 
 
+
+BAD_NODE_ONCE = 'if [[ $JOBGEN_RESTART_COUNT == 0 && $NODE_RANK == 1 ]]; then exit 75; fi'  # docs/exit-codes.md: "this node is bad"
+
+
+def test_openpbs_a_node_failure_continues_on_hosts_without_that_node_and_ends_exactly(openpbs: PbsServer, tiny: Path, reference: dict) -> None:
+    folder = openpbs.folder("bad-node")
+    job = lora_job(tiny, "bad-node", [*setup_lines(openpbs), BAD_NODE_ONCE])
+    first_id = submit(openpbs, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
+    run_dir = run_dir_of(folder, job)
+    finished(openpbs, first_id)
+    log = (run_dir / "logs" / f"{first_id}.out").read_text()
+    bad = log.split(" on ", 1)[1].split(";")[0].split()[1]  # node 1, the nodefile's second host
+    assert f"jobgen: node failure: node(s) {bad} exited 75 (node failure)" in log, log
+    # PBS Pro's select cannot exclude a host: the continuation names two hosts that are not it.
+    assert "jobgen: the continuation runs on " in log and f", without node(s) {bad}" in log, log
+    next_id = log.split("jobgen: continuation ")[1].split()[0]
+    fields = finished(openpbs, next_id)
+    assert fields["Exit_status"] == "0", logs(openpbs, folder, run_dir)
+    used = {part.split(":")[0].strip("(") for part in fields["exec_vnode"].split("+")}
+    assert len(used) == 2 and bad not in used, fields["exec_vnode"]
+    report = status(openpbs, folder, str(run_dir))
+    assert [s["outcome"] for s in report["segments"]] == ["node_failed", "completed"], report["segments"]
+    assert report["excluded_nodes"] == [bad]
+    assert_bitwise_equal(run_dir, reference)
+
+
+def test_torque_a_job_that_cannot_be_placed_without_its_bad_node_says_so(torque: PbsServer) -> None:
+    """The Torque server has two nodes: a 2-node job without one of them can never start."""
+    folder = torque.folder("bad-node")
+    job = probe("bad-node", [f"source {torque.venv}/bin/activate", BAD_NODE_ONCE])
+    job_id = submit(torque, folder, job, "qsub")
+    fields = finished(torque, job_id)
+    run_dir = run_dir_of(folder, job)
+    log = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
+    log += (run_dir / "segments.jsonl").read_text() + str(fields)
+    bad = log.split("jobgen: job ", 1)[1].split(" on ", 1)[1].split(";")[0].split()[1]  # node 1
+    assert "jobgen: not requeued: the job needs 2 nodes but the server has 1 usable ones left (up, with " in log, log
+    assert (f"cores) after excluding {bad} (listed in {run_dir}/excluded-nodes); fix or return those nodes, "
+            "then submit the job again") in log, log
+    assert "jobgen: continuation" not in log
+    assert status(torque, folder, str(run_dir))["excluded_nodes"] == [bad]
+
 # --- Torque -----------------------------------------------------------------------------------
 
 

@@ -52,11 +52,13 @@ class PbsPro(Scheduler):
     }
 
     def template_variables(self, job: Job) -> dict[str, Any]:
-        return {**super().template_variables(job), "pbsdsh_by_host": self.pbsdsh_by_host}
+        return {**super().template_variables(job), "pbsdsh_by_host": self.pbsdsh_by_host,
+                "node_request_on_host": self.node_request_on_host(job)}
 
-    def options(self, job: Job) -> list[str]:
+    def chunk(self, job: Job) -> str:
+        """What each node of the job asks for, one chunk of the select."""
         res = job.resources
-        chunk = [f"select={res.nodes}", f"ncpus={job.cpus_per_node}"]
+        chunk = [f"ncpus={job.cpus_per_node}"]
         if res.gpus_per_node:
             chunk.append(f"ngpus={res.gpus_per_node}")
         if res.memory_mb:
@@ -65,7 +67,17 @@ class PbsPro(Scheduler):
         chunk.append("mpiprocs=1")
         # PBS honours the first -l select only, so everything per chunk, the site's too, goes in this one line.
         chunk += [f"{name}={_chunk_value(value)}" for name, value in res.chunk_resources.items()]
-        options = [f"-N {self.job_name(job)}", f"-l {':'.join(chunk)}"]
+        return ":".join(chunk)
+
+    def node_request_on_host(self, job: Job) -> dict[str, str]:
+        """A continuation that must avoid some nodes names the hosts it may run on instead, as
+        PBS Pro's select has no "not this host" (a chunk may only say `host=NAME`): the `-l`
+        resource's name, and a printf format of one node's part with its host for %s."""
+        return {"resource": "select", "format": f"1:{self.chunk(job).replace('%', '%%')}:host=%s", "joiner": "+"}
+
+    def options(self, job: Job) -> list[str]:
+        res = job.resources
+        options = [f"-N {self.job_name(job)}", f"-l select={res.nodes}:{self.chunk(job)}"]
         options.append("-l place=scatter:excl" if res.exclusive else "-l place=scatter")
         options.append(f"-l walltime={hms(res.time_limit_seconds)}")
         if res.partition:

@@ -23,13 +23,22 @@ class Torque(PbsPro):
     unpassable = ""  # not seen on Torque
     run_count_field = "start_count"
 
+    def chunk(self, job: Job) -> str:
+        """What each node of the job asks for, after its count or its name in `nodes=`."""
+        res = job.resources
+        chunk = f"ppn={job.cpus_per_node}"
+        if res.gpus_per_node:
+            chunk += f":gpus={res.gpus_per_node}"
+        return chunk + "".join(f":{name}" for name, value in res.chunk_resources.items() if value is True)
+
+    def node_request_on_host(self, job: Job) -> dict[str, str]:
+        """Torque's `nodes=` takes host names in place of the count: `nodes=tq0:ppn=2+tq1:ppn=2`."""
+        return {"resource": "nodes", "format": f"%s:{self.chunk(job).replace('%', '%%')}", "joiner": "+"}
+
     def options(self, job: Job) -> list[str]:
         res = job.resources
-        nodes = f"nodes={res.nodes}:ppn={job.cpus_per_node}"
-        if res.gpus_per_node:
-            nodes += f":gpus={res.gpus_per_node}"
-        nodes += "".join(f":{name}" for name, value in res.chunk_resources.items() if value is True)
-        options = [f"-N {self.job_name(job)}", f"-l {nodes}", f"-l walltime={hms(res.time_limit_seconds)}"]
+        options = [f"-N {self.job_name(job)}", f"-l nodes={res.nodes}:{self.chunk(job)}",
+                   f"-l walltime={hms(res.time_limit_seconds)}"]
         if res.memory_mb:
             options.append(f"-l mem={memory_text(res.memory_mb * res.nodes, 'gb', 'mb')}")
         if res.exclusive:

@@ -21,6 +21,8 @@ VARIABLES: dict[str, str] = {
     "nccl": "NCCL variables of the job's network preset, NAME -> value (empty on CPUs)",
     "files": "the run directory's file names (jobgen.rundir.files), e.g. files.stop_requested",
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
+    "node_request_on_host": "PBS Pro and Torque: one node's request naming its host (resource, printf format, "
+                            "joiner), for a continuation that must avoid excluded nodes",
 }
 
 # Template -> block -> (what it is for, the variables the shipped block uses).

@@ -47,8 +47,9 @@ CHUNK = 8 * 2**20
 
 
 def node_name() -> str:
-    """The scheduler's name for this node (Slurm's, on a cluster of virtual nodes too), else the host's."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    """The scheduler's name for this node (node.sh sets it from the job's node list; Slurm's own,
+    on a cluster of virtual nodes too), else the host's."""
+    return os.environ.get("JOBGEN_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 class HealthCheckFailed(Exception):
