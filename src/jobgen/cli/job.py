@@ -14,11 +14,13 @@ from jobgen.cli.options import (
     checked_scheduler_option,
     config_argument,
     resolve,
+    resolve_sweep,
     scheduler_for,
     scheduler_option,
     set_option,
     site_option,
     template_dir_option,
+    with_sweep_options,
 )
 
 
@@ -102,8 +104,12 @@ def schema() -> None:
 @site_option
 @set_option
 @template_dir_option
+@with_sweep_options
 @click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
-def submit(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], dry_run: bool) -> None:
+def submit(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], dry_run: bool,
+) -> None:
     """Submit CONFIG and print its job id.
 
     \b
@@ -112,12 +118,22 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
     goes through submitit; on PBS and Torque through qsub; `--scheduler local` runs it here, in
     the foreground, with each node a local process. First, as `validate` does, checks the files
     the job names where this machine can see them.
+
+    \b
+    A sweep (--sweep, --sweep-file) submits one run per point into RUN_DIR/POINT, e.g.
+      jobgen submit job.yaml --sweep training.learning_rate=1e-4,2e-4 --sweep training.lora.r=8,16 --max-running 2
+    prints one job id per point: on Slurm one job array (task K is point K, job id ARRAYID_K),
+    on PBS and Torque one job per point, locally one point after another. `jobgen status RUN_DIR`
+    then shows every point; `jobgen status|logs|cancel RUN_DIR/POINT` one.
     """
     from jobgen.rundir import submission
 
     resolved = resolve(config, site, overrides)
     scheduler = scheduler_for(scheduler, resolved)
     check_files(resolved.job)
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    if sweep is not None:
+        return _submit_sweep(resolved, points, sweep, scheduler, template_dirs, dry_run)
     if dry_run:
         planned = submission.plan(resolved, scheduler, template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
@@ -135,3 +151,29 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
         from jobgen.rundir.status import foreground_exit_status
 
         sys.exit(foreground_exit_status(planned.run))
+
+
+def _submit_sweep(resolved, points, sweep, scheduler: str, template_dirs: tuple[Path, ...], dry_run: bool) -> None:
+    from jobgen.rundir import sweep as sweeps
+    from jobgen.schedulers import get_scheduler
+
+    planned = sweeps.plan(resolved, points, sweep, scheduler, template_dirs)
+    if dry_run:
+        click.echo(f"# sweep folder: {planned.path} ({len(planned.points)} points)", err=True)
+        for point, _, run in planned.points:
+            click.echo(f"# point {point.index}: {point.describe()} -> {run.path}", err=True)
+        for path, script in planned.scripts(scheduler, template_dirs):
+            click.echo(f"# ---- {path} ----", err=True)
+            click.echo(script, nl=False)
+        return
+    submitted = sweeps.submit(planned, scheduler, template_dirs)
+    foreground = get_scheduler(scheduler).runs_in_foreground
+    how = f"job array {submitted[0][1].rsplit('_', 1)[0]}" if planned.array_script is not None else f"{len(submitted)} jobs"
+    click.echo(f"jobgen: {'ran' if foreground else 'submitted'} a sweep of {len(submitted)} points as {how}; "
+               f"`jobgen status {planned.path}` shows them", err=True)
+    for point, job_id in submitted:
+        click.echo(f"{job_id}\t{point.name}")
+    if foreground:
+        from jobgen.rundir.status import foreground_exit_status
+
+        sys.exit(max(foreground_exit_status(run) for _, _, run in planned.points))

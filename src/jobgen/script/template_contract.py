@@ -21,13 +21,14 @@ VARIABLES: dict[str, str] = {
     "nccl": "NCCL variables of the job's network preset, NAME -> value (empty on CPUs)",
     "files": "the run directory's file names (jobgen.rundir.files), e.g. files.stop_requested",
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
+    "sweep": "a sweep's job array, else None: sweep.points (index, run_dir, job_yaml of each task) and sweep.max_running",
 }
 
 # Template -> block -> (what it is for, the variables the shipped block uses).
 BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "job.sh.j2": {
         "header": ("the directive lines and the comment describing the job", frozenset(
-            {"directives", "job", "launcher", "scheduler", "site", "version", "warnings"})),
+            {"directives", "job", "launcher", "scheduler", "site", "sweep", "version", "warnings"})),
         "prologue": ("empty: site checks or banners, before anything else runs", frozenset()),
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
