@@ -122,13 +122,13 @@ def resolve_sweep(config: Path, site: Optional[str], overrides: tuple[str, ...],
     """The sweep (None without --sweep or --sweep-file) and each point's job, checked as
     `resolve` checks one job; a point's mistake names the point."""
     from jobgen.job.layers import layered_job
-    from jobgen.job.sites import check_limits
+    from jobgen.job.sites import check_limits, chosen_site
     from jobgen.job.sweep import make_sweep, point_jobs
 
     sweep = make_sweep(sweeps, sweep_file, max_running)
     if sweep is None:
         return None, []
-    layered, site_profile = layered_job(config, site, overrides)
+    layered, site_profile = layered_job(config, chosen_site(site), overrides)
     points = point_jobs(layered, site_profile, sweep, base.job.effective_run_dir, str(config))
     word = "partition"
     if base.site.scheduler:

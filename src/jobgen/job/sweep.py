@@ -161,10 +161,8 @@ def point_names(combos: list[dict[str, Value]]) -> list[str]:
         if len(name) > MAX_NAME:
             name = f"{name[:MAX_NAME - 10]}..{index}"
         names.append(name)
-    for index, name in enumerate(names):
-        if names.count(name) > 1:
-            names[index] = f"{name},{index}"
-    return names
+    clashing = {name for name in names if names.count(name) > 1}
+    return [f"{name},{index}" if name in clashing else name for index, name in enumerate(names)]
 
 
 def point_jobs(layered: dict[str, Any], site, sweep: Sweep, base_run_dir: str, source: str) -> list[ResolvedJob]:

@@ -110,12 +110,24 @@ def _write_record(planned: SweepPlan, scheduler_name: str, submitted: list[tuple
         "max_running": planned.max_running,
         "keys": list(planned.points[0][0].values) if planned.points else [],
         "points": [
-            {"index": point.index, "name": point.name, "values": point.plain_values(),
+            {"index": point.index, "name": point.name, "values": _validated_values(point, resolved),
              "run_dir": str(run.path), "job_id": job_ids.get(point.index)}
-            for point, _, run in planned.points
+            for point, resolved, run in planned.points
         ],
     }
     write_atomic(planned.path / runfiles.SWEEP_RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def _validated_values(point: Point, resolved: ResolvedJob) -> dict[str, Any]:
+    """The point's values as its job holds them (YAML 1.1 reads `1e-4` as text; the job, 0.0001)."""
+    dumped = resolved.job.model_dump(mode="json")
+    found = {}
+    for key in point.values:
+        value: Any = dumped
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        found[key] = value
+    return found
 
 
 def is_sweep(target: str) -> bool:
