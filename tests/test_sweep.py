@@ -167,3 +167,11 @@ def test_a_job_without_a_sweep_renders_as_before(job_file: Path) -> None:
     assert plain.returncode == 0 and "--array" not in plain.stdout and "#SBATCH --output=%x-%j.out" in plain.stdout
     assert "SLURM_ARRAY" not in plain.stdout
     assert dry_run(job_file, "-s", "slurm", "--max-running", "2").stderr.strip().endswith("give --sweep KEY=V1,V2 or --sweep-file too")
+
+
+def test_a_container_jobs_points_are_named_without_commas(job_file: Path) -> None:
+    # The run directory is mounted into the container in a comma-separated list.
+    result = dry_run(job_file, "-s", "slurm", "--set", "container.runtime=apptainer", "--set", "container.image=/images/a.sif",
+                     "--sweep", "training.learning_rate=1e-4,2e-4", "--sweep", "training.seed=1,2")
+    assert result.returncode == 0, result.stderr
+    assert "  3) JOBGEN_RUN_DIR=$(realpath -m runs/lr-sweep/learning_rate=2e-4+seed=2) ;;" in result.stdout

@@ -125,7 +125,10 @@ def resolve_sweep(config: Path, site: Optional[str], overrides: tuple[str, ...],
     from jobgen.job.sites import check_limits, chosen_site
     from jobgen.job.sweep import make_sweep, point_jobs
 
-    sweep = make_sweep(sweeps, sweep_file, max_running)
+    from jobgen.job.sweep import CONTAINER_SEPARATOR
+
+    separator = CONTAINER_SEPARATOR if base.job.container.image else ","
+    sweep = make_sweep(sweeps, sweep_file, max_running, separator)
     if sweep is None:
         return None, []
     layered, site_profile = layered_job(config, chosen_site(site), overrides)

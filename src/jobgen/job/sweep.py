@@ -13,7 +13,7 @@ sweep file (--sweep-file) adds a grid and a list of points, and the most tasks t
       - {training.lora.r: 16, training.lora.alpha: 32}
 
 Each point is named by its values (`learning_rate=1e-4,r=8`: the last part of each key unless two
-keys share it), and runs in its own run directory under the sweep's: RUN_DIR/POINT_NAME. A point's
+keys share it; `+` between them in a container job, whose mount list is comma-separated), and runs in its own run directory under the sweep's: RUN_DIR/POINT_NAME. A point's
 job is the base job (every layer applied) with its values set as `--set` sets them, validated by
 the models like any job; a bad key or value names the point.
 """
@@ -36,6 +36,8 @@ SWEEP_FILE_KEYS = ("grid", "points", "max_running")
 NOT_SWEEPABLE = ("name", "run_dir")
 MAX_POINTS = 1000  # a Slurm array's default MaxArraySize is 1001 tasks
 _SEPARATOR = ","  # between a name's key=value parts (as Hydra's multirun names its folders)
+# A container's mount list is comma-separated (the run directory is mounted): its points use this.
+CONTAINER_SEPARATOR = "+"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")  # in a folder name: no '/', spaces, quotes or ':'
 MAX_NAME = 120
 
@@ -115,9 +117,11 @@ def read_sweep_file(path: Path) -> tuple[list[tuple[str, list[Value]]], list[dic
 
 
 def make_sweep(
-    options: tuple[str, ...] = (), sweep_file: Optional[Path] = None, max_running: Optional[int] = None
+    options: tuple[str, ...] = (), sweep_file: Optional[Path] = None, max_running: Optional[int] = None,
+    separator: str = _SEPARATOR,
 ) -> Optional[Sweep]:
-    """The sweep that --sweep and --sweep-file describe; None when they describe none."""
+    """The sweep that --sweep and --sweep-file describe; None when they describe none. `separator`
+    goes between the key=value parts of a point's name (CONTAINER_SEPARATOR for a container job)."""
     grid = [parse_sweep_option(text) for text in options]
     listed: list[dict[str, Value]] = []
     file_limit = None
@@ -141,14 +145,14 @@ def make_sweep(
             combos.append({**chosen, **dict(zip(keys, values))})
     if len(combos) > MAX_POINTS:
         raise JobgenError(f"sweep: {len(combos)} points; at most {MAX_POINTS} (a Slurm array's usual MaxArraySize): split the sweep")
-    names = point_names(combos)
+    names = point_names(combos, separator)
     return Sweep(
         points=[Point(index=i, name=name, values=combo) for i, (name, combo) in enumerate(zip(names, combos))],
         max_running=_max_running(max_running, "--max-running") if max_running is not None else file_limit,
     )
 
 
-def point_names(combos: list[dict[str, Value]]) -> list[str]:
+def point_names(combos: list[dict[str, Value]], separator: str = _SEPARATOR) -> list[str]:
     """A folder name per point, from its values: readable (`learning_rate=1e-4,r=8`), safe in a
     path and a shell word, and unique (a clash or an over-long name gets its index)."""
     all_keys = list(dict.fromkeys(key for combo in combos for key in combo))
@@ -156,13 +160,13 @@ def point_names(combos: list[dict[str, Value]]) -> list[str]:
     labels = {key: (short[key] if list(short.values()).count(short[key]) == 1 else key) for key in all_keys}
     names = []
     for index, combo in enumerate(combos):
-        name = _SEPARATOR.join(f"{labels[key]}={_UNSAFE.sub('-', value.text)}" for key, value in combo.items())
+        name = separator.join(f"{labels[key]}={_UNSAFE.sub('-', value.text)}" for key, value in combo.items())
         name = name.strip(".") or f"point{index}"
         if len(name) > MAX_NAME:
             name = f"{name[:MAX_NAME - 10]}..{index}"
         names.append(name)
     clashing = {name for name in names if names.count(name) > 1}
-    return [f"{name},{index}" if name in clashing else name for index, name in enumerate(names)]
+    return [f"{name}{separator}{index}" if name in clashing else name for index, name in enumerate(names)]
 
 
 def point_jobs(layered: dict[str, Any], site, sweep: Sweep, base_run_dir: str, source: str) -> list[ResolvedJob]:
