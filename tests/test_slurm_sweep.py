@@ -144,6 +144,8 @@ def test_a_sweep_runs_as_one_array_and_each_point_matches_its_run_alone(tmp_path
     assert [(p["job_id"], p["state"], p["step"]) for p in status["points"]] == [
         (p["job_id"], "completed", MAX_STEPS) for p in record["points"]]
     assert all(p["last_loss"] is not None and 0 < p["goodput"] <= 1 for p in status["points"])
+    # The array's own id names the whole sweep.
+    assert json.loads(jobgen("status", array_id, "--json").stdout)["sweep"] == str(sweep_dir.resolve())
     table = jobgen("status", str(sweep_dir)).stdout
     assert "training.learning_rate" in table and victim_id in table
     # A task by its Slurm name, as for any job.

@@ -175,3 +175,41 @@ def test_a_container_jobs_points_are_named_without_commas(job_file: Path) -> Non
                      "--sweep", "training.learning_rate=1e-4,2e-4", "--sweep", "training.seed=1,2")
     assert result.returncode == 0, result.stderr
     assert "  3) JOBGEN_RUN_DIR=$(realpath -m runs/lr-sweep/learning_rate=2e-4+seed=2) ;;" in result.stdout
+
+
+def test_status_of_a_sweep_is_a_table_of_its_points_found_by_folder_or_array_id(tmp_path: Path) -> None:
+    """Written as `jobgen submit --sweep` writes them: the record, each point's records, the index."""
+    import json
+
+    folder = tmp_path / "runs" / "lr"
+    state = tmp_path / "state"
+    points = []
+    for index, (lr, loss) in enumerate([(1e-4, 2.5), (2e-4, 2.25)]):
+        run = folder / f"learning_rate={lr}"
+        (run / "output").mkdir(parents=True)
+        job_id = f"77_{index}"
+        (run / "submissions.jsonl").write_text(json.dumps({"job_id": job_id, "scheduler": "local", "sweep": str(folder)}) + "\n")
+        (run / "segments.jsonl").write_text(
+            json.dumps({"event": "start", "job_id": job_id, "restart": 0, "started_at": "2026-01-01T00:00:00Z"}) + "\n"
+            + json.dumps({"event": "end", "job_id": job_id, "restart": 0, "started_at": "2026-01-01T00:00:00Z",
+                          "at": "2026-01-01T00:01:40Z", "first_step": 0, "last_step": 5, "outcome": "completed",
+                          "train_seconds": 80}) + "\n")
+        (run / "job.yaml").write_text("name: lr\n")
+        (run / "output" / "metrics.jsonl").write_text(json.dumps({"step": 5, "total_steps": 5, "loss": loss}) + "\n")
+        (state / "jobgen").mkdir(parents=True, exist_ok=True)
+        with (state / "jobgen" / "index.jsonl").open("a") as index_file:
+            index_file.write(json.dumps({"job_id": job_id, "scheduler": "local", "run_dir": str(run)}) + "\n")
+        points.append({"index": index, "name": run.name, "values": {"training.learning_rate": lr}, "run_dir": str(run), "job_id": job_id})
+    (folder / "sweep.json").write_text(json.dumps({"scheduler": "local", "array_job_id": None, "max_running": None,
+                                                   "keys": ["training.learning_rate"], "points": points}))
+    env = {"XDG_STATE_HOME": str(state)}
+    by_folder = json.loads(jobgen("status", str(folder), "--json", env=env).stdout)
+    assert [(p["values"], p["state"], p["step"], p["last_loss"], p["goodput"]) for p in by_folder["points"]] == [
+        ({"training.learning_rate": 1e-4}, "completed", 5, 2.5, 0.8), ({"training.learning_rate": 2e-4}, "completed", 5, 2.25, 0.8)]
+    assert json.loads(jobgen("status", "77", "--json", env=env).stdout) == by_folder
+    table = jobgen("status", str(folder), env=env).stdout.splitlines()
+    assert table[2].split() == ["point", "training.learning_rate", "job", "state", "step", "loss", "goodput"]
+    assert table[3].split() == ["0", "0.0001", "77_0", "completed", "5/5", "2.5000", "80.0%"]
+    runs = jobgen("runs", env=env).stdout
+    # `jobgen runs` tells the points apart: the job's name and the point's.
+    assert [line.split()[0] for line in runs.splitlines()[1:]] == ["lr/learning_rate=0.0002", "lr/learning_rate=0.0001"]

@@ -14,10 +14,11 @@ from jobgen.errors import JobgenError
 target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID|SWEEP", default=".")
 
 
-def _is_sweep(target: str) -> bool:
-    from jobgen.rundir.sweep import is_sweep
+def _sweep_folder(target: str) -> Optional[str]:
+    """The sweep's folder when `target` is one, or its job array's id (Slurm); else None."""
+    from jobgen.rundir.sweep import find_sweep
 
-    return is_sweep(target)
+    return find_sweep(target)
 
 
 @click.command()
@@ -43,13 +44,13 @@ def status(target: str, as_json: bool) -> None:
     last loss, the final model or adapter, and the goodput (a probe: its result).
 
     \b
-    A sweep's folder (jobgen submit --sweep) gives a table of its points: values, job, state,
+    A sweep's folder (jobgen submit --sweep) or its job array's id gives a table of its points: values, job, state,
     step, last loss, goodput, e.g. jobgen status runs/NAME; a point's folder, that point alone.
     """
-    if _is_sweep(target):
+    if sweep := _sweep_folder(target):
         from jobgen.rundir.sweep import collect as collect_sweep, format_table as sweep_table
 
-        report = collect_sweep(target)
+        report = collect_sweep(sweep)
         click.echo(json.dumps(report, indent=2) if as_json else sweep_table(report))
         return
     from jobgen.rundir.status import collect, format_table
@@ -63,14 +64,15 @@ def status(target: str, as_json: bool) -> None:
 def cancel(target: str) -> None:
     """Cancel the job's latest submission (scancel or qdel).
 
-    A sweep's folder cancels every point still queued or running (on Slurm each task of its job
-    array, ARRAYID_K), e.g. jobgen cancel runs/NAME; a point's folder or ARRAYID_K, that point alone.
+    A sweep's folder (or its job array's id) cancels every point still queued or running (on Slurm
+    each task of the array, ARRAYID_K), e.g. jobgen cancel runs/NAME; a point's folder or
+    ARRAYID_K, that point alone.
     """
     from jobgen.rundir.run import find_run
     from jobgen.schedulers import get_scheduler
 
-    if _is_sweep(target):
-        return _cancel_sweep(target)
+    if sweep := _sweep_folder(target):
+        return _cancel_sweep(sweep)
     latest = find_run(target).latest()
     get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
     click.echo(f"jobgen: cancelled job {latest['job_id']}", err=True)
@@ -114,10 +116,10 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")
-    if _is_sweep(target):
+    if sweep := _sweep_folder(target):
         if follow:
-            raise JobgenError(f"-f follows one run: give a point's folder, e.g. jobgen logs -f {target.rstrip('/')}/POINT_NAME")
-        return _sweep_logs(target, node, rank)
+            raise JobgenError(f"-f follows one run: give a point's folder, e.g. jobgen logs -f {sweep.rstrip('/')}/POINT_NAME")
+        return _sweep_logs(sweep, node, rank)
     if follow:  # with the trainer's progress: one updating line on a terminal (jobgen.rundir.progress)
         from jobgen.rundir.progress import follow_log
 
@@ -157,7 +159,8 @@ def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None
     """
     from jobgen.rundir.plot import plot as draw_run, plot_sweep
 
-    path, data = (plot_sweep if _is_sweep(target) else draw_run)(target, output)
+    sweep = _sweep_folder(target)
+    path, data = plot_sweep(sweep, output) if sweep else draw_run(target, output)
     if data_file is not None:
         data_file.write_text(json.dumps(data, indent=2) + "\n")
     click.echo(f"jobgen: wrote {path}", err=True)

@@ -134,6 +134,23 @@ def is_sweep(target: str) -> bool:
     return (Path(target) / runfiles.SWEEP_RECORD).is_file()
 
 
+def find_sweep(target: str) -> Optional[str]:
+    """The sweep folder `target` names: the folder itself, or a job array's id (1234, whose tasks
+    1234_K the user's index records); None when it names no sweep."""
+    if is_sweep(target):
+        return target
+    if not target.isdigit():
+        return None
+    from jobgen.rundir.run import index_entries
+
+    for entry in reversed(index_entries()):
+        job_id, run_dir = str(entry.get("job_id")), entry.get("run_dir")
+        if job_id.startswith(f"{target}_") and job_id[len(target) + 1:].isdigit() and isinstance(run_dir, str):
+            folder = str(Path(run_dir).parent)
+            return folder if is_sweep(folder) else None
+    return None
+
+
 def read_record(target: str) -> dict[str, Any]:
     path = Path(target) / runfiles.SWEEP_RECORD
     try:
