@@ -213,3 +213,10 @@ def test_status_of_a_sweep_is_a_table_of_its_points_found_by_folder_or_array_id(
     runs = jobgen("runs", env=env).stdout
     # `jobgen runs` tells the points apart: the job's name and the point's.
     assert [line.split()[0] for line in runs.splitlines()[1:]] == ["lr/learning_rate=0.0002", "lr/learning_rate=0.0001"]
+
+
+def test_a_swept_data_file_is_checked_for_each_point(job_file: Path) -> None:
+    missing = job_file.parent / "missing.json"
+    result = dry_run(job_file, "-s", "slurm", "--sweep", f"training.data={job_file.parent / 'data.json'},{missing}")
+    assert result.returncode == 2
+    assert f"training.data: file '{missing}' does not exist" in result.stderr and "Traceback" not in result.stderr

@@ -132,6 +132,7 @@ def submit(
     scheduler = scheduler_for(scheduler, resolved)
     check_files(resolved.job)
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    _check_point_files(resolved, points)
     if sweep is not None:
         return _submit_sweep(resolved, points, sweep, scheduler, template_dirs, dry_run)
     if dry_run:
@@ -151,6 +152,16 @@ def submit(
         from jobgen.rundir.status import foreground_exit_status
 
         sys.exit(foreground_exit_status(planned.run))
+
+
+def _check_point_files(base, points) -> None:
+    """The files of points that sweep them (training.data, training.model), once per new pair."""
+    checked = {(base.job.training.data, base.job.training.model, base.job.training.data_format)}
+    for resolved in points:
+        training = resolved.job.training
+        if (training.data, training.model, training.data_format) not in checked:
+            checked.add((training.data, training.model, training.data_format))
+            check_files(resolved.job)
 
 
 def _submit_sweep(resolved, points, sweep, scheduler: str, template_dirs: tuple[Path, ...], dry_run: bool) -> None:
