@@ -107,9 +107,9 @@ def test_a_bad_key_or_value_names_the_key_and_the_point(job_file: Path) -> None:
     layered, site = layered_job(job_file, None)
     with pytest.raises(JobgenError) as bad_key:
         point_jobs(layered, site, make_sweep(("training.lerning_rate=1e-4",)), "runs/x", str(job_file))
-    assert str(bad_key.value) == (f"{job_file}, sweep point lerning_rate=1e-4: unknown key 'training.lerning_rate' "
-                                  "(did you mean 'learning_rate'?)" + str(bad_key.value).split("?)", 1)[1])
-    with pytest.raises(JobgenError, match=r"sweep point r=8,r=0: 'training.lora.r' is 0|sweep point .*r=0.*'training.lora.r' is 0"):
+    assert str(bad_key.value).startswith(
+        f"{job_file}, sweep point lerning_rate=1e-4: unknown key 'training.lerning_rate' (did you mean 'learning_rate'?)")
+    with pytest.raises(JobgenError, match=re.escape(f"{job_file}, sweep point r=0: 'training.lora.r' is 0: ")):
         point_jobs(layered, site, make_sweep(("training.lora.r=8,0",)), "runs/x", str(job_file))
 
 
@@ -220,3 +220,14 @@ def test_a_swept_data_file_is_checked_for_each_point(job_file: Path) -> None:
     result = dry_run(job_file, "-s", "slurm", "--sweep", f"training.data={job_file.parent / 'data.json'},{missing}")
     assert result.returncode == 2
     assert f"training.data: file '{missing}' does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_checks_every_point(job_file: Path) -> None:
+    ok = jobgen("validate", "--site", "none", "-s", "slurm", str(job_file), "--sweep", "training.lora.r=8,16", cwd=job_file.parent)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[-1] == "sweep: 2 points ok: r=8, r=16"
+    bad = jobgen("validate", "--site", "none", str(job_file), "--sweep", "training.lora.r=8,0", cwd=job_file.parent)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[-1] == f"jobgen: error: {job_file}, sweep point r=0: 'training.lora.r' is 0: Input should be greater than or equal to 1"
+    array = jobgen("validate", "--site", "none", "-s", "slurm", str(job_file), "--sweep", "resources.nodes=1,2", cwd=job_file.parent)
+    assert array.returncode == 2 and "sweep only training.* keys there" in array.stderr

@@ -56,15 +56,22 @@ def render(config: Path, scheduler: Optional[str], site: Optional[str], override
 @site_option
 @set_option
 @template_dir_option
-def validate(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...]) -> None:
+@with_sweep_options
+def validate(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int],
+) -> None:
     """Check CONFIG, the files it names and the template overrides, and show the derived values (world size, global batch).
 
     With a scheduler (--scheduler, or the site profile's), also run the checks render runs
-    before its templates: the launcher, the container and the extra directives.
+    before its templates: the launcher, the container and the extra directives. With --sweep or
+    --sweep-file, check every point's job too, e.g. jobgen validate job.yaml --sweep training.lora.r=8,16.
     """
     resolved = resolve(config, site, overrides)
     job = resolved.job
     check_files(job)
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    _check_point_files(resolved, points)
     scheduler = scheduler or resolved.site.scheduler
     if scheduler:
         from jobgen.schedulers import get_scheduler
@@ -72,6 +79,11 @@ def validate(config: Path, scheduler: Optional[str], site: Optional[str], overri
 
         chosen = get_scheduler(scheduler)
         check_for_scheduler(job, chosen)
+        if sweep is not None and chosen.job_arrays:
+            from jobgen.script.checks import check_array_points
+
+            check_for_scheduler(points[0].job, chosen, (len(points), sweep.max_running))
+            check_array_points([point.job for point in points], chosen)
         for warning in chosen.warnings(job):
             click.echo(f"jobgen: warning: {warning}", err=True)
     from jobgen.script.template_search import override_folders
@@ -88,6 +100,8 @@ def validate(config: Path, scheduler: Optional[str], site: Optional[str], overri
         f"global batch {job.global_batch}; {job.training.method}, "
         f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
     )
+    if sweep is not None:
+        click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
 
 
 @click.command()

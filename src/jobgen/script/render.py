@@ -19,7 +19,7 @@ from jobgen import __version__
 from jobgen.job.dump import as_set_yaml, complete_yaml
 from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
-from jobgen.script.checks import check_for_scheduler
+from jobgen.script.checks import check_array_points, check_for_scheduler
 from jobgen.job.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
 from jobgen.rundir.files import TEMPLATE_FILES
@@ -152,17 +152,7 @@ def render_array(
     its own job. The points may differ in `training` only (and their run directories): the
     header, the environment and the launch are one for all."""
     scheduler = get_scheduler(scheduler_name)
-    first = points[0].job
-    shared = first.model_dump(mode="json", exclude={"training", "run_dir"})
-    for resolved in points[1:]:
-        other = resolved.job.model_dump(mode="json", exclude={"training", "run_dir"})
-        if other != shared:
-            key = _first_difference(shared, other)
-            raise JobgenError(
-                f"sweep: '{key}' differs between the points in {points[0].job.effective_run_dir} and "
-                f"{resolved.job.effective_run_dir}, but a {scheduler.name} job array runs every point with one "
-                "script: sweep only training.* keys there (or submit each value of it as a sweep of its own)"
-            )
+    check_array_points([resolved.job for resolved in points], scheduler)
     warnings: list[str] = []
     for index, resolved in enumerate(points):
         for warning in resolved.warnings:
@@ -180,14 +170,6 @@ def render_array(
     for point in sweep["points"]:
         _check_heredoc(point["job_yaml"], JOB_YAML_END)
     return _render(points[0], scheduler, template_dirs, warnings, sweep, (len(points), max_running))
-
-
-def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in [*a, *(k for k in b if k not in a)]:
-            if a.get(key) != b.get(key):
-                return _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
-    return prefix.rstrip(".")
 
 
 def _render(
