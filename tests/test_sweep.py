@@ -231,3 +231,12 @@ def test_validate_checks_every_point(job_file: Path) -> None:
     assert bad.stderr.splitlines()[-1] == f"jobgen: error: {job_file}, sweep point r=0: 'training.lora.r' is 0: Input should be greater than or equal to 1"
     array = jobgen("validate", "--site", "none", "-s", "slurm", str(job_file), "--sweep", "resources.nodes=1,2", cwd=job_file.parent)
     assert array.returncode == 2 and "sweep only training.* keys there" in array.stderr
+
+
+def test_render_prints_the_array_script_that_submit_would_submit(job_file: Path, tmp_path: Path) -> None:
+    args = ("-s", "slurm", "--sweep", "training.lora.r=8,16", "--max-running", "1")
+    rendered = jobgen("render", "--site", "none", str(job_file), *args, cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    assert rendered.stdout == dry_run(job_file, *args).stdout and "#SBATCH --array=0-1%1" in rendered.stdout
+    pbs = jobgen("render", "--site", "none", "-s", "pbs", str(job_file), "--sweep", "training.lora.r=8,16", cwd=tmp_path)
+    assert pbs.returncode == 2 and pbs.stderr.startswith("jobgen: error: pbs runs a sweep as one job per point")

@@ -9,6 +9,7 @@ from typing import Optional
 
 import click
 
+from jobgen.errors import JobgenError
 from jobgen.cli.options import (
     check_files,
     checked_scheduler_option,
@@ -30,17 +31,36 @@ from jobgen.cli.options import (
 @site_option
 @set_option
 @template_dir_option
+@with_sweep_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
-def render(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], output: Optional[Path]) -> None:
-    """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub."""
-    from jobgen.script.render import render as render_script
+def render(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], output: Optional[Path],
+) -> None:
+    """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub.
+
+    With --sweep or --sweep-file, a sweep's job array script (Slurm), e.g.
+    jobgen render -s slurm job.yaml --sweep training.lora.r=8,16 -o sweep.sbatch; it makes each
+    point's run directory itself. `jobgen submit --sweep` also records the sweep for `jobgen status`.
+    """
+    from jobgen.script.render import render as render_script, render_array
     from jobgen.schedulers import get_scheduler
 
     resolved = resolve(config, site, overrides)
     scheduler = scheduler_for(scheduler, resolved)
-    for warning in get_scheduler(scheduler).warnings(resolved.job):
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    chosen = get_scheduler(scheduler)
+    if sweep is not None and not chosen.job_arrays:
+        raise JobgenError(
+            f"{scheduler} runs a sweep as one job per point, not one script: render a point with --set "
+            f"(e.g. --set {sweep.keys[0]}=...), or submit the sweep with jobgen submit --sweep"
+        )
+    for warning in chosen.warnings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
-    script = render_script(resolved, scheduler, template_dirs)
+    if sweep is not None:
+        script = render_array(points, sweep.max_running, scheduler, template_dirs)
+    else:
+        script = render_script(resolved, scheduler, template_dirs)
     if output is None:
         click.echo(script, nl=False)
         return
