@@ -123,9 +123,7 @@ def resolve_sweep(config: Path, site: Optional[str], overrides: tuple[str, ...],
     `resolve` checks one job; a point's mistake names the point."""
     from jobgen.job.layers import layered_job
     from jobgen.job.sites import check_limits, chosen_site
-    from jobgen.job.sweep import make_sweep, point_jobs
-
-    from jobgen.job.sweep import CONTAINER_SEPARATOR
+    from jobgen.job.sweep import CONTAINER_SEPARATOR, make_sweep, point_jobs
 
     separator = CONTAINER_SEPARATOR if base.job.container.image else ","
     sweep = make_sweep(sweeps, sweep_file, max_running, separator)

@@ -132,14 +132,13 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
 
 def _sweep_logs(target: str, node: Optional[int], rank: Optional[int]) -> None:
-    from jobgen.rundir.logs import log_path
+    from jobgen.rundir.logs import log_path, newest_job_id
     from jobgen.rundir.sweep import point_dirs
 
     for point, run in point_dirs(target):
         try:
-            path = log_path(str(run.path), node, rank)
-            text = path.read_text(errors="replace")
-            job_id = path.name.split("-node")[0].split("-rank")[0].removesuffix(".out")
+            job_id = newest_job_id(run, None)  # the job whose log log_path reads
+            text = log_path(str(run.path), node, rank).read_text(errors="replace")
         except (JobgenError, FileNotFoundError):
             text, job_id = "(no log yet: the point may still be pending)\n", point.get("job_id") or "-"
         click.echo(f"==> {point.get('name')} ({job_id}) <==")
