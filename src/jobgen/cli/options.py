@@ -95,7 +95,7 @@ sweep_options = [
     click.option(
         "--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2,...",
         help="Submit one run per value, e.g. --sweep training.learning_rate=1e-4,2e-4; several --sweep "
-        "make every combination (a grid), each point in RUN_DIR/NAME (e.g. runs/NAME/learning_rate=1e-4,r=8). "
+        "make every combination (a grid), each point in RUN_DIR/POINT (e.g. runs/NAME/learning_rate=1e-4,r=8). "
         "On Slurm the points are one job array.",
     ),
     click.option(
