@@ -9,16 +9,19 @@ from typing import Optional
 
 import click
 
+from jobgen.errors import JobgenError
 from jobgen.cli.options import (
     check_files,
     checked_scheduler_option,
     config_argument,
     resolve,
+    resolve_sweep,
     scheduler_for,
     scheduler_option,
     set_option,
     site_option,
     template_dir_option,
+    with_sweep_options,
 )
 
 
@@ -28,17 +31,36 @@ from jobgen.cli.options import (
 @site_option
 @set_option
 @template_dir_option
+@with_sweep_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
-def render(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], output: Optional[Path]) -> None:
-    """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub."""
-    from jobgen.script.render import render as render_script
+def render(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], output: Optional[Path],
+) -> None:
+    """Print the batch script for CONFIG: review it, then submit it with sbatch or qsub.
+
+    With --sweep or --sweep-file, a sweep's job array script (Slurm), e.g.
+    jobgen render -s slurm job.yaml --sweep training.lora.r=8,16 -o sweep.sbatch; it makes each
+    point's run directory itself. `jobgen submit --sweep` also records the sweep for `jobgen status`.
+    """
+    from jobgen.script.render import render as render_script, render_array
     from jobgen.schedulers import get_scheduler
 
     resolved = resolve(config, site, overrides)
     scheduler = scheduler_for(scheduler, resolved)
-    for warning in get_scheduler(scheduler).warnings(resolved.job):
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    chosen = get_scheduler(scheduler)
+    if sweep is not None and not chosen.job_arrays:
+        raise JobgenError(
+            f"{scheduler} runs a sweep as one job per point, not one script: render a point with --set "
+            f"(e.g. --set {sweep.keys[0]}=...), or submit the sweep with jobgen submit --sweep"
+        )
+    for warning in chosen.warnings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
-    script = render_script(resolved, scheduler, template_dirs)
+    if sweep is not None:
+        script = render_array(points, sweep.max_running, scheduler, template_dirs)
+    else:
+        script = render_script(resolved, scheduler, template_dirs)
     if output is None:
         click.echo(script, nl=False)
         return
@@ -54,15 +76,22 @@ def render(config: Path, scheduler: Optional[str], site: Optional[str], override
 @site_option
 @set_option
 @template_dir_option
-def validate(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...]) -> None:
+@with_sweep_options
+def validate(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int],
+) -> None:
     """Check CONFIG, the files it names and the template overrides, and show the derived values (world size, global batch).
 
     With a scheduler (--scheduler, or the site profile's), also run the checks render runs
-    before its templates: the launcher, the container and the extra directives.
+    before its templates: the launcher, the container and the extra directives. With --sweep or
+    --sweep-file, check every point's job too, e.g. jobgen validate job.yaml --sweep training.lora.r=8,16.
     """
     resolved = resolve(config, site, overrides)
     job = resolved.job
     check_files(job)
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    _check_point_files(resolved, points)
     scheduler = scheduler or resolved.site.scheduler
     if scheduler:
         from jobgen.schedulers import get_scheduler
@@ -70,6 +99,11 @@ def validate(config: Path, scheduler: Optional[str], site: Optional[str], overri
 
         chosen = get_scheduler(scheduler)
         check_for_scheduler(job, chosen)
+        if sweep is not None and chosen.job_arrays:
+            from jobgen.script.checks import check_array_points
+
+            check_for_scheduler(points[0].job, chosen, (len(points), sweep.max_running))
+            check_array_points([point.job for point in points], chosen)
         for warning in chosen.warnings(job):
             click.echo(f"jobgen: warning: {warning}", err=True)
     from jobgen.script.template_search import override_folders
@@ -86,6 +120,8 @@ def validate(config: Path, scheduler: Optional[str], site: Optional[str], overri
         f"global batch {job.global_batch}; {job.training.method}, "
         f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
     )
+    if sweep is not None:
+        click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
 
 
 @click.command()
@@ -102,8 +138,12 @@ def schema() -> None:
 @site_option
 @set_option
 @template_dir_option
+@with_sweep_options
 @click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
-def submit(config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...], dry_run: bool) -> None:
+def submit(
+    config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
+    sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], dry_run: bool,
+) -> None:
     """Submit CONFIG and print its job id.
 
     \b
@@ -112,12 +152,23 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
     goes through submitit; on PBS and Torque through qsub; `--scheduler local` runs it here, in
     the foreground, with each node a local process. First, as `validate` does, checks the files
     the job names where this machine can see them.
+
+    \b
+    A sweep (--sweep, --sweep-file) submits one run per point into RUN_DIR/POINT, e.g.
+      jobgen submit job.yaml --sweep training.learning_rate=1e-4,2e-4 --sweep training.lora.r=8,16 --max-running 2
+    prints one job id per point: on Slurm one job array (task K is point K, job id ARRAYID_K),
+    on PBS and Torque one job per point, locally one point after another. `jobgen status RUN_DIR`
+    then shows every point; `jobgen status|logs|cancel RUN_DIR/POINT` one.
     """
     from jobgen.rundir import submission
 
     resolved = resolve(config, site, overrides)
     scheduler = scheduler_for(scheduler, resolved)
     check_files(resolved.job)
+    sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
+    _check_point_files(resolved, points)
+    if sweep is not None:
+        return _submit_sweep(resolved, points, sweep, scheduler, template_dirs, dry_run)
     if dry_run:
         planned = submission.plan(resolved, scheduler, template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
@@ -135,3 +186,39 @@ def submit(config: Path, scheduler: Optional[str], site: Optional[str], override
         from jobgen.rundir.status import foreground_exit_status
 
         sys.exit(foreground_exit_status(planned.run))
+
+
+def _check_point_files(base, points) -> None:
+    """The files of points that sweep them (training.data, training.model), once per new pair."""
+    checked = {(base.job.training.data, base.job.training.model, base.job.training.data_format)}
+    for resolved in points:
+        training = resolved.job.training
+        if (training.data, training.model, training.data_format) not in checked:
+            checked.add((training.data, training.model, training.data_format))
+            check_files(resolved.job)
+
+
+def _submit_sweep(resolved, points, sweep, scheduler: str, template_dirs: tuple[Path, ...], dry_run: bool) -> None:
+    from jobgen.rundir import sweep as sweeps
+    from jobgen.schedulers import get_scheduler
+
+    planned = sweeps.plan(resolved, points, sweep, scheduler, template_dirs)
+    if dry_run:
+        click.echo(f"# sweep folder: {planned.path} ({len(planned.points)} points)", err=True)
+        for point, _, run in planned.points:
+            click.echo(f"# point {point.index}: {point.describe()} -> {run.path}", err=True)
+        for path, script in planned.scripts(scheduler, template_dirs):
+            click.echo(f"# ---- {path} ----", err=True)
+            click.echo(script, nl=False)
+        return
+    submitted = sweeps.submit(planned, scheduler, template_dirs)
+    foreground = get_scheduler(scheduler).runs_in_foreground
+    how = f"job array {submitted[0][1].rsplit('_', 1)[0]}" if planned.array_script is not None else f"{len(submitted)} jobs"
+    click.echo(f"jobgen: {'ran' if foreground else 'submitted'} a sweep of {len(submitted)} points as {how}; "
+               f"`jobgen status {planned.path}` shows them", err=True)
+    for point, job_id in submitted:
+        click.echo(f"{job_id}\t{point.name}")
+    if foreground:
+        from jobgen.rundir.status import foreground_exit_status
+
+        sys.exit(max(foreground_exit_status(run) for _, _, run in planned.points))

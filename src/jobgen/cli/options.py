@@ -91,6 +91,56 @@ def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_
     return resolved
 
 
+sweep_options = [
+    click.option(
+        "--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2,...",
+        help="Submit one run per value, e.g. --sweep training.learning_rate=1e-4,2e-4; several --sweep "
+        "make every combination (a grid), each point in RUN_DIR/POINT (e.g. runs/NAME/learning_rate=1e-4,r=8). "
+        "On Slurm the points are one job array.",
+    ),
+    click.option(
+        "--sweep-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE.yaml",
+        help="A sweep's grid and listed points, e.g. `grid: {training.lora.r: [8, 16]}` and "
+        "`points: [{training.learning_rate: 1.0e-4, training.warmup_steps: 10}]`; with --sweep, one grid.",
+    ),
+    click.option(
+        "--max-running", type=click.IntRange(min=1), metavar="N",
+        help="At most N points of the sweep run at once (Slurm's --array=0-K%N), e.g. --max-running 2; "
+        "a sweep file's max_running by default.",
+    ),
+]
+
+
+def with_sweep_options(command):
+    for option in reversed(sweep_options):
+        command = option(command)
+    return command
+
+
+def resolve_sweep(config: Path, site: Optional[str], overrides: tuple[str, ...], base, sweeps: tuple[str, ...],
+                  sweep_file: Optional[Path], max_running: Optional[int]):
+    """The sweep (None without --sweep or --sweep-file) and each point's job, checked as
+    `resolve` checks one job; a point's mistake names the point."""
+    from jobgen.job.layers import layered_job
+    from jobgen.job.sites import check_limits, chosen_site
+    from jobgen.job.sweep import CONTAINER_SEPARATOR, make_sweep, point_jobs
+
+    separator = CONTAINER_SEPARATOR if base.job.container.image else ","
+    sweep = make_sweep(sweeps, sweep_file, max_running, separator)
+    if sweep is None:
+        return None, []
+    layered, site_profile = layered_job(config, chosen_site(site), overrides)
+    points = point_jobs(layered, site_profile, sweep, base.job.effective_run_dir, str(config))
+    word = "partition"
+    if base.site.scheduler:
+        from jobgen.schedulers import get_scheduler
+
+        word = get_scheduler(base.site.scheduler).partition_word
+    for point, resolved in zip(sweep.points, points):
+        check_limits(resolved.job, resolved.site, f"{config}, sweep point {point.name}", word)
+    return sweep, points
+
+
 def scheduler_for(option: Optional[str], resolved) -> str:
     """--scheduler, else the site profile's."""
     chosen = option or resolved.site.scheduler

@@ -11,7 +11,14 @@ import click
 
 from jobgen.errors import JobgenError
 
-target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID", default=".")
+target_argument = click.argument("target", metavar="RUN_DIR|JOB_ID|SWEEP", default=".")
+
+
+def _sweep_folder(target: str) -> Optional[str]:
+    """The sweep's folder when `target` is one, or its job array's id (Slurm); else None."""
+    from jobgen.rundir.sweep import find_sweep
+
+    return find_sweep(target)
 
 
 @click.command()
@@ -34,7 +41,18 @@ def runs(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 def status(target: str, as_json: bool) -> None:
     """Where the job stands: the scheduler's state now, every segment so far (why one failed), the
-    last loss, the final model or adapter, and the goodput (a probe: its result)."""
+    last loss, the final model or adapter, and the goodput (a probe: its result).
+
+    \b
+    A sweep's folder (jobgen submit --sweep) or its job array's id gives a table of its points: values, job, state,
+    step, last loss, goodput, e.g. jobgen status runs/NAME; a point's folder, that point alone.
+    """
+    if sweep := _sweep_folder(target):
+        from jobgen.rundir.sweep import collect as collect_sweep, format_table as sweep_table
+
+        report = collect_sweep(sweep)
+        click.echo(json.dumps(report, indent=2) if as_json else sweep_table(report))
+        return
     from jobgen.rundir.status import collect, format_table
 
     report = collect(target)
@@ -44,13 +62,40 @@ def status(target: str, as_json: bool) -> None:
 @click.command()
 @target_argument
 def cancel(target: str) -> None:
-    """Cancel the job's latest submission (scancel or qdel)."""
+    """Cancel the job's latest submission (scancel or qdel).
+
+    A sweep's folder (or its job array's id) cancels every point still queued or running (on Slurm
+    each task of the array, ARRAYID_K), e.g. jobgen cancel runs/NAME; a point's folder or
+    ARRAYID_K, that point alone.
+    """
     from jobgen.rundir.run import find_run
     from jobgen.schedulers import get_scheduler
 
+    if sweep := _sweep_folder(target):
+        return _cancel_sweep(sweep)
     latest = find_run(target).latest()
     get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
     click.echo(f"jobgen: cancelled job {latest['job_id']}", err=True)
+
+
+def _cancel_sweep(target: str) -> None:
+    from jobgen.rundir.sweep import point_dirs
+    from jobgen.schedulers import get_scheduler
+
+    cancelled, ended = [], []
+    for _, run in point_dirs(target):
+        if not run.submissions():
+            continue
+        latest = run.latest()
+        scheduler = get_scheduler(latest["scheduler"])
+        found = None if scheduler.runs_in_foreground else scheduler.state(latest["job_id"])
+        if found is not None and found.state.upper() in scheduler.active_states:
+            scheduler.cancel(latest["job_id"])
+            cancelled.append(latest["job_id"])
+        else:
+            ended.append(latest["job_id"])
+    click.echo(f"jobgen: cancelled {len(cancelled)} point(s): {' '.join(cancelled) or '-'}"
+               + (f"; already ended: {' '.join(ended)}" if ended else ""), err=True)
 
 
 @click.command()
@@ -64,11 +109,17 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
     \b
     All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
     JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
+    A sweep's folder prints every point's, each under a `==> POINT (JOBID) <==` line, e.g.
+    jobgen logs runs/NAME --node 0; a point's folder (or ARRAYID_K on Slurm), that point's.
     """
     from jobgen.rundir.logs import log_path
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")
+    if sweep := _sweep_folder(target):
+        if follow:
+            raise JobgenError(f"-f follows one run: give a point's folder, e.g. jobgen logs -f {sweep.rstrip('/')}/POINT_NAME")
+        return _sweep_logs(sweep, node, rank)
     if follow:  # with the trainer's progress: one updating line on a terminal (jobgen.rundir.progress)
         from jobgen.rundir.progress import follow_log
 
@@ -80,16 +131,35 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
         raise JobgenError(f"no log yet at {path}: the job may still be pending") from None
 
 
+def _sweep_logs(target: str, node: Optional[int], rank: Optional[int]) -> None:
+    from jobgen.rundir.logs import log_path, newest_job_id
+    from jobgen.rundir.sweep import point_dirs
+
+    for point, run in point_dirs(target):
+        try:
+            job_id = newest_job_id(run, None)  # the job whose log log_path reads
+            text = log_path(str(run.path), node, rank).read_text(errors="replace")
+        except (JobgenError, FileNotFoundError):
+            text, job_id = "(no log yet: the point may still be pending)\n", point.get("job_id") or "-"
+        click.echo(f"==> {point.get('name')} ({job_id}) <==")
+        click.echo(text, nl=not text.endswith("\n"))
+
+
 @click.command()
 @target_argument
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
 @click.option("--data", "data_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write the plotted data here, as JSON.")
 def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None:
     """Draw the run: loss and tokens/s over the steps with each segment's start marked, and under
-    them the segments (how each ended) with the goodput. Needs matplotlib: pip install 'jobgen[plot]'."""
-    from jobgen.rundir.plot import plot as draw_run
+    them the segments (how each ended) with the goodput. Needs matplotlib: pip install 'jobgen[plot]'.
 
-    path, data = draw_run(target, output)
+    A sweep's folder draws every point's loss curve in one picture (default SWEEP/plot.png),
+    e.g. jobgen plot runs/NAME.
+    """
+    from jobgen.rundir.plot import plot as draw_run, plot_sweep
+
+    sweep = _sweep_folder(target)
+    path, data = plot_sweep(sweep, output) if sweep else draw_run(target, output)
     if data_file is not None:
         data_file.write_text(json.dumps(data, indent=2) + "\n")
     click.echo(f"jobgen: wrote {path}", err=True)

@@ -3,6 +3,7 @@
     models.py           the typed job (pydantic): every field a job file may hold
     layers.py           bundled defaults < site profile < job file < --set overrides
     sites.py            site profiles: where they are found, their defaults and limits
+    sweep.py            a sweep: --sweep and --sweep-file read into points, each point's name and job
     yamlfile.py         reading a user's YAML file; textfile.py: a file that is not UTF-8
     conversations.py    reading and checking the training data (the trainer reads it with this)
     model_reference.py  training.model: a local folder or a hub name

@@ -30,14 +30,25 @@ class ResolvedJob:
 
 def resolve_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> ResolvedJob:
     """The validated job with every layer applied, and the warnings that do not stop it."""
+    layered, site = layered_job(config, site_name, overrides)
+    return validated(layered, site, str(config))
+
+
+def layered_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], SiteProfile]:
+    """The job's layers merged, not yet validated (a sweep applies each point's values to it)."""
     site = load_site(site_name)
     layered = merge(copy.deepcopy(site.defaults), _read_yaml(config))
     for override in overrides:
         apply_override(layered, override)
+    return layered, site
+
+
+def validated(layered: dict[str, Any], site: SiteProfile, source: str) -> ResolvedJob:
+    """`layered` checked by the models; a mistake is one line per problem, each after `source`."""
     try:
         job = Job.model_validate(layered)
     except ValidationError as error:
-        raise JobgenError(describe_validation_error(error, Job, str(config))) from None
+        raise JobgenError(describe_validation_error(error, Job, source)) from None
     return ResolvedJob(job=job, site=site, warnings=job_warnings(job))
 
 
@@ -63,14 +74,19 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if isinstance(value, Sexagesimal):
         value = value.text  # `--set resources.time_limit=24:00:00` means the time, not 86400 (base 60)
     check_shape(value, f"--set {key.strip()}")
-    parts = key.strip().split(".")
+    set_dotted(data, key.strip(), value, f"--set {assignment!r}")
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """`data[a][b][c] = value` for the key `a.b.c`, making the sections it lacks."""
+    parts = key.split(".")
     target = data
     for part in parts[:-1]:
         existing = target.get(part)
         if existing is None:
             existing = target[part] = {}
         if not isinstance(existing, dict):
-            raise JobgenError(f"--set {assignment!r}: '{part}' is not a section")
+            raise JobgenError(f"{where}: '{part}' is not a section")
         target = existing
     target[parts[-1]] = value
 

@@ -5,6 +5,8 @@ and read back by every command that explains it.
     run.py         RunDir: the job file, the submissions and segments records; find_run; the
                    user's index of submissions ($XDG_STATE_HOME/jobgen/index.jsonl)
     submission.py  render, lay out the run directory, hand the script to the scheduler
+    sweep.py       a sweep's folder: its record of points, their submission (one job array on
+                   Slurm), and `jobgen status` of every point
     status.py      `jobgen status`: segments, goodput, the scheduler's word
     outcome.py     what a run came to: the trainer's line (why a segment failed), the last loss,
                    the final model or adapter, a probe's result

@@ -32,6 +32,7 @@ HEARTBEATS = "heartbeat"  # per node: its ranks' step and phase, published by th
 HANG = "hang.json"  # the hang supervisor's finding: which ranks and nodes stopped first, after how long
 EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure attributed to them, one a line
 NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
+SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 # In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)

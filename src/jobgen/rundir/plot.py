@@ -4,6 +4,8 @@ each segment's start marked; below, the segments on a wall-clock timeline, each 
 
 matplotlib is an optional extra (`pip install 'jobgen[plot]'`): the data is gathered without it
 (`plot_data`, also written by `--data`), and only drawing needs it.
+
+A sweep's folder draws every point's loss curve in one picture, labelled by its values (`plot_sweep`).
 """
 
 from __future__ import annotations
@@ -107,4 +109,48 @@ def plot(target: str, output: Optional[Path]) -> tuple[Path, dict[str, Any]]:
     data = plot_data(target)
     path = output or Path(data["run_dir"]) / "plot.png"
     draw(data, path)
+    return path, data
+
+
+def sweep_plot_data(target: str) -> dict[str, Any]:
+    """Each point of the sweep in folder `target`: its values and its loss over the optimizer
+    steps (a step trained again after a lost segment counts once, as last trained)."""
+    from jobgen.rundir.sweep import point_dirs
+
+    points = []
+    for point, run in point_dirs(target):
+        by_step = {r["step"]: r.get("loss") for r in metrics(run.path) if isinstance(r.get("step"), int)}
+        steps = sorted(by_step)
+        points.append({"index": point.get("index"), "name": point.get("name"), "values": point.get("values") or {},
+                       "run_dir": str(run.path), "steps": steps, "loss": [by_step[s] for s in steps]})
+    if not any(p["steps"] for p in points):
+        raise JobgenError(f"{target}: no point of the sweep has logged a step yet: nothing to plot")
+    return {"sweep": str(Path(target).resolve()), "points": points}
+
+
+def draw_sweep(data: dict[str, Any], output: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise JobgenError("jobgen plot needs matplotlib: pip install 'jobgen[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, curves = plt.subplots(figsize=(10, 6))
+    for point in data["points"]:
+        if point["steps"]:
+            curves.plot(point["steps"], point["loss"], label=f"{point['index']}: {point['name']}")
+    curves.set_xlabel("optimizer step")
+    curves.set_ylabel("loss")
+    curves.set_title(f"sweep {Path(data['sweep']).name}: {len(data['points'])} points")
+    curves.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+
+
+def plot_sweep(target: str, output: Optional[Path]) -> tuple[Path, dict[str, Any]]:
+    data = sweep_plot_data(target)
+    path = output or Path(data["sweep"]) / "plot.png"
+    draw_sweep(data, path)
     return path, data

@@ -29,6 +29,9 @@ class JobEnvironment:
     restart_count: str = "JOBGEN_RESTART_COUNT"
     submit_dir: Optional[str] = None  # where the job was submitted from: its default working directory
     nodes: Optional[str] = None  # the node list, or the file that lists the nodes
+    # A job array's: the task's index (a sweep's point) and the array's own job id.
+    array_task_id: Optional[str] = None
+    array_job_id: Optional[str] = None
 
 
 class Scheduler:
@@ -66,9 +69,10 @@ class Scheduler:
         """What the templates may read about the scheduler, beyond the job itself."""
         return {"scheduler": self.name, "scheduler_env": self.job_environment}
 
-    def directives(self, job: Job) -> list[str]:
+    def directives(self, job: Job, array: Optional[tuple[int, Optional[int]]] = None) -> list[str]:
         """Header lines, in order; the job's own extra directives of this flavour come last (the
         other schedulers' are left out: jobgen.schedulers.refuse_unknown_directives checks them).
+        `array`: (tasks, most running at once) for a sweep's job array (`array_options`).
 
         An extra directive that sets an option jobgen generates is refused (JobgenError): the
         scheduler would honour one of the two, PBS Pro the first `-l select`, sbatch the last.
@@ -79,7 +83,8 @@ class Scheduler:
                 f"resources.nodes: {self.name} cannot take a range ({job.resources.nodes}); give one count, "
                 f"such as {job.resources.min_nodes} (ranges are Slurm's --nodes=MIN-MAX)"
             )
-        own = [f"{self.directive_prefix} {option}" for option in self.options(job)]
+        options = self.options(job) if array is None else self.array_options(self.options(job), *array)
+        own = [f"{self.directive_prefix} {option}" for option in options]
         extra = [line for line in job.extra_directives if self.is_own_directive(line)]
         self._refuse_conflicts(own, extra)
         return own + extra
@@ -98,6 +103,13 @@ class Scheduler:
 
     def options(self, job: Job) -> list[str]:
         return []
+
+    # Whether a sweep's points run as one job array (`array_options`); else as one job per point.
+    job_arrays: ClassVar[bool] = False
+
+    def array_options(self, options: list[str], tasks: int, max_running: Optional[int]) -> list[str]:
+        """`options` for a job array of `tasks` tasks, at most `max_running` at once."""
+        raise JobgenError(f"{self.name} runs a sweep as one job per point, not as a job array")
 
     def option_keys(self, line: str) -> list[str]:
         """One key per option on a directive line, the same for every spelling of one option."""

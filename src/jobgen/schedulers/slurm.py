@@ -25,8 +25,12 @@ class Slurm(Scheduler):
     directive_prefix = "#SBATCH"
     node_ranges = True
     job_environment = JobEnvironment(
-        job_id="SLURM_JOB_ID", restart_count="SLURM_RESTART_COUNT", submit_dir="SLURM_SUBMIT_DIR", nodes="SLURM_JOB_NODELIST"
+        job_id="SLURM_JOB_ID", restart_count="SLURM_RESTART_COUNT", submit_dir="SLURM_SUBMIT_DIR", nodes="SLURM_JOB_NODELIST",
+        array_task_id="SLURM_ARRAY_TASK_ID", array_job_id="SLURM_ARRAY_JOB_ID",
     )
+    # Each task of an array is a job of its own to Slurm (its own SLURM_JOB_ID, restart count and
+    # `scontrol requeue`), so a sweep's points requeue and resume one by one.
+    job_arrays = True
     reserved_prefixes = ("SLURM_",)
     # squeue's and scontrol's words for a job that is queued, running or coming back.
     active_states = frozenset({
@@ -50,6 +54,7 @@ class Slurm(Scheduler):
         "signal": "set requeue.signal and requeue.warning_seconds instead",
         "open-mode": "remove it: jobgen appends every requeued segment to one batch log",
         "output": "remove it: jobgen appends every requeued segment to one batch log",
+        "array": "remove it: a sweep (--sweep) makes the job array, with --max-running as its limit",
     }
 
     def options(self, job: Job) -> list[str]:
@@ -83,6 +88,11 @@ class Slurm(Scheduler):
         # Append, so the log of a requeued job keeps every segment.
         options += ["--open-mode=append", "--output=%x-%j.out"]
         return options
+
+    def array_options(self, options: list[str], tasks: int, max_running: Optional[int]) -> list[str]:
+        # Slurm's own log named by array and task (1234_2), as jobgen names the task everywhere.
+        options = ["--output=%x-%A_%a.out" if option == "--output=%x-%j.out" else option for option in options]
+        return [*options, f"--array=0-{tasks - 1}" + (f"%{max_running}" if max_running else "")]
 
     def option_keys(self, line: str) -> list[str]:
         """The generated option each option sets (`-p`, `--part` and `--partition` all set
@@ -168,7 +178,7 @@ def _rendered_script_executor(script_text: str, folder: Path) -> submitit.SlurmE
 _LONG_OPTIONS = {
     **{name: name for name in (
         "job-name nodes ntasks-per-node cpus-per-task mem time partition account qos constraint exclusive requeue "
-        "signal open-mode output"
+        "signal open-mode output array"
     ).split()},
     "ntasks": "ntasks-per-node",
     "tasks-per-node": "ntasks-per-node",
@@ -183,6 +193,7 @@ _LONG_OPTIONS = {
 _SHORT_OPTIONS = {
     "J": "job-name", "N": "nodes", "n": "ntasks-per-node", "c": "cpus-per-task", "G": "gpus", "t": "time",
     "p": "partition", "A": "account", "q": "qos", "C": "constraint", "o": "output",
+    "a": "array",
 }
 
 

@@ -19,7 +19,7 @@ from jobgen import __version__
 from jobgen.job.dump import as_set_yaml, complete_yaml
 from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
-from jobgen.script.checks import check_for_scheduler
+from jobgen.script.checks import check_array_points, check_for_scheduler
 from jobgen.job.models import NETWORK_PRESETS, Job
 from jobgen.resources import bundled_path
 from jobgen.rundir.files import TEMPLATE_FILES
@@ -142,9 +142,46 @@ def job_yaml(job: Job) -> str:
 
 def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[Path] = ()) -> str:
     """The batch script; `template_dirs` (`--template-dir`) come first on the template search path."""
-    job = resolved.job
+    return _render(resolved, get_scheduler(scheduler_name), template_dirs, resolved.warnings)
+
+
+def render_array(
+    points: Sequence[ResolvedJob], max_running: Optional[int], scheduler_name: str, template_dirs: Sequence[Path] = ()
+) -> str:
+    """One script for a sweep's job array: task K runs `points[K]` in its run directory, with
+    its own job. The points may differ in `training` only (and their run directories): the
+    header, the environment and the launch are one for all."""
     scheduler = get_scheduler(scheduler_name)
-    launcher, directives = check_for_scheduler(job, scheduler)
+    check_array_points([resolved.job for resolved in points], scheduler)
+    warnings: list[str] = []
+    for index, resolved in enumerate(points):
+        for warning in resolved.warnings:
+            shared_by_all = all(warning in other.warnings for other in points)
+            text = warning if shared_by_all else f"task {index}: {warning}"
+            if text not in warnings:
+                warnings.append(text)
+    sweep = {
+        "points": [
+            {"index": index, "run_dir": resolved.job.effective_run_dir, "job_yaml": Raw(as_set_yaml(resolved.job))}
+            for index, resolved in enumerate(points)
+        ],
+        "max_running": max_running,
+    }
+    for point in sweep["points"]:
+        _check_heredoc(point["job_yaml"], JOB_YAML_END)
+    return _render(points[0], scheduler, template_dirs, warnings, sweep, (len(points), max_running))
+
+
+def _render(
+    resolved: ResolvedJob,
+    scheduler: Any,
+    template_dirs: Sequence[Path],
+    warnings: list[str],
+    sweep: Optional[dict[str, Any]] = None,
+    array: Optional[tuple[int, Optional[int]]] = None,
+) -> str:
+    job = resolved.job
+    launcher, directives = check_for_scheduler(job, scheduler, array)
     folders = search_path(template_dirs, resolved.site.template_dir, site_packages=bool(resolved.site.name))
     # A plug-in scheduler's own template: after every override, before the bundled templates.
     folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
@@ -161,7 +198,8 @@ def render(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
         "job_yaml": Raw(as_set_yaml(job)),  # what the job sets: jobgen-train adds the defaults back
         "job_yaml_end": Raw(JOB_YAML_END),
         "node_script_end": Raw(NODE_SCRIPT_END),
-        "warnings": resolved.warnings + scheduler.warnings(job),
+        "warnings": warnings + scheduler.warnings(job),
+        "sweep": sweep,  # a sweep's job array: its points (index, run_dir, job_yaml) and max_running
     }
     node_script = _render_template(env, "node.sh.j2", context)
     context["node_script"] = Raw(node_script)

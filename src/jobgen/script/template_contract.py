@@ -23,13 +23,14 @@ VARIABLES: dict[str, str] = {
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
     "node_request_on_host": "PBS Pro and Torque: one node's request naming its host (resource, printf format, "
                             "joiner), for a continuation that must avoid excluded nodes",
+    "sweep": "a sweep's job array, else None: sweep.points (index, run_dir, job_yaml of each task) and sweep.max_running",
 }
 
 # Template -> block -> (what it is for, the variables the shipped block uses).
 BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "job.sh.j2": {
         "header": ("the directive lines and the comment describing the job", frozenset(
-            {"directives", "job", "launcher", "scheduler", "site", "version", "warnings"})),
+            {"directives", "job", "launcher", "scheduler", "site", "sweep", "version", "warnings"})),
         "prologue": ("empty: site checks or banners, before anything else runs", frozenset()),
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
