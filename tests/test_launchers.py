@@ -288,5 +288,6 @@ def test_srun_a_failing_node_ends_the_job(tmp_path: Path) -> None:
     log = batch_log(tmp_path / "runs" / "jobgen-test-fail")
     # srun names the node and its status, ends the others (--kill-on-bad-exit) and exits with
     # the highest status of its tasks: 143, the SIGTERM that ended node 0.
-    assert "srun: error: node2: task 1: Exited with exit code 3" in log
+    node1 = log.split("jobgen: job ", 1)[1].split(" on ", 1)[1].split(";")[0].split()[1]  # wherever Slurm put it
+    assert f"srun: error: {node1}: task 1: Exited with exit code 3" in log
     assert "jobgen: training failed: the trainer left no report (srun (every node) exited with status 143)" in log

@@ -119,8 +119,10 @@ def test_missing_data_file_stops_both_ranks_with_one_line(make_job, tools):
     result = tools.train(job, nproc=2, timeout=120)
     assert result.returncode != 0
     lines = [l for l in result.stdout.splitlines() if l.startswith("jobgen-train: error:")]
-    assert len(lines) == 2  # one per rank, the same
-    assert lines[0] == f"jobgen-train: error: training.data: file '{job.parent / 'missing.json'}' does not exist"
+    # One per rank that got that far: the first rank to fail ends its torchrun, which ends the
+    # other rank, on a busy machine before it has read the job.
+    assert set(lines) == {f"jobgen-train: error: training.data: file '{job.parent / 'missing.json'}' does not exist"}
+    assert 1 <= len(lines) <= 2
     assert "jobgen/train/" not in result.stdout  # no traceback through the trainer
     report = tools.exit_report(job.parent)
     assert report["reason"] == "failed" and "does not exist" in report["message"]
