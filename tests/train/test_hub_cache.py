@@ -181,3 +181,40 @@ def test_the_librarys_offline_error_becomes_one_line_naming_the_cache(tmp_path: 
     assert line.startswith("training.model: could not load a tokenizer from jobgen-test/absent with the hub offline "
                            f"(HF_HUB_OFFLINE=1) from the cache the nodes use (HF_HOME={tmp_path}): "), out.stdout + out.stderr
     assert line.endswith("; run `jobgen prepare JOB.yaml` on a machine with internet")
+
+
+def test_stage_model_downloads_what_training_needs_into_the_jobs_cache(tiny: Path, tmp_path: Path, monkeypatch) -> None:
+    """stage_model's own logic, with snapshot_download replaced by one that lays out what the hub
+    would send (the real download is not tested here: no test reaches the hub)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from jobgen.job.hub_stage import stage_model
+    from jobgen.job.models import Job
+
+    calls = []
+
+    def snapshot_download(repo_id, revision, cache_dir, allow_patterns, **kwargs):
+        calls.append((repo_id, revision, cache_dir, allow_patterns))
+        sent = tmp_path / "sent"
+        sent.mkdir(exist_ok=True)
+        for file in (tiny / "model").iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, sent / file.name)
+        return str(build_hub_cache(Path(cache_dir).parent, repo_id, sent))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    hf_home = tmp_path / "shared-hf"
+    job = Job.model_validate(yaml.safe_load(write_job(tmp_path / "job", tiny, hf_home).read_text()))
+    lines: list[str] = []
+    cached = stage_model(job, progress=lines.append)
+    assert cached.complete and cached.commit == COMMIT
+    assert [call[:3] for call in calls] == [(MODEL, "main", str(hf_home / "hub"))]
+    assert lines[-1] == (f"training.model: {MODEL} is in {hf_home}/hub at commit {COMMIT}; "
+                         f"to pin it, set training.model_revision: {COMMIT}")
+    pinned = job.model_copy(update={"training": job.training.model_copy(update={"model_revision": COMMIT})})
+    assert stage_model(pinned, progress=lines.append).commit == COMMIT and len(calls) == 1  # already there
+    local = job.model_copy(update={"training": job.training.model_copy(update={"model": str(tiny / "model")})})
+    assert stage_model(local, progress=lines.append) is None
