@@ -189,12 +189,14 @@ def submit(
 
 
 def _check_point_files(base, points) -> None:
-    """The files of points that sweep them (training.data, training.model), once per new pair."""
-    checked = {(base.job.training.data, base.job.training.model, base.job.training.data_format)}
+    """The files of points that sweep them (training.data, training.model and its revision), once per new set."""
+    def files(training) -> tuple:
+        return training.data, training.model, training.model_revision, training.data_format
+
+    checked = {files(base.job.training)}
     for resolved in points:
-        training = resolved.job.training
-        if (training.data, training.model, training.data_format) not in checked:
-            checked.add((training.data, training.model, training.data_format))
+        if files(resolved.job.training) not in checked:
+            checked.add(files(resolved.job.training))
             check_files(resolved.job)
 
 

@@ -7,6 +7,7 @@
     yamlfile.py         reading a user's YAML file; textfile.py: a file that is not UTF-8
     conversations.py    reading and checking the training data (the trainer reads it with this)
     model_reference.py  training.model: a local folder or a hub name
+    hub_cache.py        a hub model in the Hugging Face cache the nodes use; hub_stage.py: staging it there
     preflight.py        what the login node can check of the job's files before the queue
 
 Imports only the shared modules below the parts (jobgen.errors, files, resources, plugins);

@@ -389,6 +389,11 @@ class Training(_Strict):
     """The fine-tune `jobgen-train` runs."""
 
     model: str = Field(..., description="local path or hub name of a causal LM")
+    model_revision: str = Field(
+        "main", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]*$",
+        description="a hub model's branch, tag or 40-character commit (a commit pins it); ignored for a local folder. "
+        "Staged in the nodes' cache (`jobgen prepare`), the nodes load it with the hub offline",
+    )
     data: str = Field(..., description="JSON array or JSONL of conversations")
     data_format: Literal["auto", "sharegpt", "openai", "alpaca"] = Field(
         "auto",

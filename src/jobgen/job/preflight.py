@@ -10,7 +10,8 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   conversations in its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB
   file must not hold the login node for minutes.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
-  must be a folder with config.json. A hub name is left to the nodes.
+  must be a folder with config.json. A hub name that is not complete in the cache the nodes use
+  (jobgen.job.hub_cache) is a warning: nodes with internet download it, others cannot.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -85,6 +86,7 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     # The trainer's rule (check_model_reference, run in the working directory): org/name is a hub
     # name unless it exists there or a folder there is named like its first part.
     if HUB_NAME.match(model) and not _exists(path) and not os.path.isdir(os.path.join(base, model.split("/")[0])):
+        _check_hub_model(job, warnings)
         return None
     also = "" if HUB_NAME.match(model) else " (and it is not a hub name like org/name)"
     error, warning = _where_missing("training.model", path, "folder", also)
@@ -97,6 +99,15 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     except UserError as error:
         return str(error)
     return None
+
+
+def _check_hub_model(job: Job, warnings: list[str]) -> None:
+    """A hub model the nodes' cache lacks is a warning: nodes with internet download it."""
+    from jobgen.job.hub_cache import job_cache, look_up
+
+    cached = look_up(job.training.model, job.training.model_revision, job_cache(job.environment.variables))
+    if cached.problem():
+        warnings.append(cached.problem())
 
 
 def _where_missing(field: str, path: str, kind: str, also: str = "") -> tuple[Optional[str], Optional[str]]:

@@ -19,6 +19,9 @@ Precision: the job's bf16/fp16/fp32 runs as asked, on a GPU and on the CPU (all 
 the CPU with DeepSpeed ZeRO-2 + LoRA; fp16 with DeepSpeed's loss scaling). On CPUs without
 native bf16/fp16 kernels fp32 is usually the fastest; the trainer says so once and obeys the job.
 
+A hub model staged in the node's Hugging Face cache (jobgen.job.hub_cache) loads with the hub
+offline: `modeling.use_hub_cache` sets HF_HUB_OFFLINE=1 unless the job or the user set it.
+
 Every setting is the job's: how long a rank waits in a collective before failing, for one, is
 `launch.collective_timeout_minutes` (`jobgen schema` describes each field).
 

@@ -10,9 +10,11 @@ model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
+from jobgen.job import hub_cache
 from jobgen.job.models import Training
 from jobgen.errors import UserError
 
@@ -37,13 +39,40 @@ def torch_dtype(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def load_tokenizer(model: str) -> Any:
+def use_hub_cache(model: str, revision: str) -> Optional[hub_cache.CachedModel]:
+    """Before anything reads huggingface_hub's settings, for a hub model: staged in this node's
+    cache, the model loads with the hub offline (HF_HUB_OFFLINE=1, unless the job or the user set
+    it), so a missing file is one line instead of a download on every node, or a hang on a node
+    without internet; UserError when the staged snapshot lacks a file training needs. None for a
+    local folder."""
+    if os.path.isdir(model):
+        return None
+    cached = hub_cache.look_up(model, revision, hub_cache.environment_cache())
+    if not cached.staged and _offline():
+        raise UserError(cached.problem(offline=_offline()))
+    if not cached.staged:
+        log.info("training.model %s is not in this node's cache (%s): each node downloads it from the hub",
+                 cached.at(), cached.cache.chosen_by)
+        return cached
+    if cached.missing:
+        raise UserError(cached.problem())
+    if not hub_cache.user_set_offline(os.environ):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:  # read at its import: set it there too
+            constants.HF_HUB_OFFLINE = True
+    log.info("training.model %s: commit %s from the cache (%s); HF_HUB_OFFLINE=%s", cached.at(), cached.commit,
+             cached.cache.chosen_by, os.environ.get("HF_HUB_OFFLINE", ""))
+    return cached
+
+
+def load_tokenizer(model: str, revision: str = hub_cache.DEFAULT_REVISION) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
     except Exception as exc:  # transformers raises many types for a bad reference
-        raise UserError(f"training.model: could not load a tokenizer from {model!r}: {_first_line(exc)}") from None
+        raise UserError(_load_error("a tokenizer from", model, revision, exc)) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
@@ -82,9 +111,9 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     if _zero3_config is None:
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(training.model, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(training.model, revision=training.model_revision, **kwargs)
     except Exception as exc:
-        raise UserError(f"training.model: could not load {training.model!r}: {_first_line(exc)}") from None
+        raise UserError(_load_error("", training.model, training.model_revision, exc)) from None
     model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
     if training.method == "qlora":
         import bitsandbytes
@@ -156,6 +185,23 @@ def _linear_names(model: Any) -> set[str]:
     import torch
 
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _load_error(what: str, model: str, revision: str, exc: BaseException) -> str:
+    """One line; with the hub offline, it names the cache and the fix (the library's offline error
+    says only that a file is not cached)."""
+    offline = _offline()
+    if os.path.isdir(model) or not offline:
+        return f"training.model: could not load {what}{' ' if what else ''}{model!r}: {_first_line(exc)}"
+    cached = hub_cache.look_up(model, revision, hub_cache.environment_cache())
+    return (f"training.model: could not load {what}{' ' if what else ''}{cached.at()} with the hub offline (HF_HUB_OFFLINE={offline}) "
+            f"from the cache the nodes use ({cached.cache.chosen_by}): {_first_line(exc)}; {hub_cache.FIX}")
+
+
+def _offline() -> str:
+    """HF_HUB_OFFLINE's value where it switches the hub off (huggingface_hub.constants' rule), else ''."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value if value.upper() in {"1", "ON", "YES", "TRUE"} else ""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -42,7 +42,7 @@ from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.job.model_reference import check_model_reference
-from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
+from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer, use_hub_cache
 from jobgen.train.stop import StopRequest, signal_name
 
 log = logging.getLogger("jobgen.train")
@@ -60,6 +60,15 @@ RESUME_SAFE_FIELDS = {
     # refuses, reads differently as each), and checkpoints made before the field still resume.
     "data_format",
 }
+
+
+def resume_checked_fields(training: Training) -> dict[str, Any]:
+    """The settings a checkpoint resumes only with. model_revision at its default is left out, so
+    checkpoints made before the field still resume."""
+    fields = {k: v for k, v in training.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    if fields.get("model_revision") == "main":
+        del fields["model_revision"]
+    return fields
 
 
 def debug_step_delay() -> float:
@@ -107,6 +116,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
+    use_hub_cache(resolved.model, resolved.model_revision)  # before anything reads the hub's settings
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
@@ -116,7 +126,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
     # checkpoint's, when resuming) and how this world size splits it.
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
-    state_fields = {k: v for k, v in resolved.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    state_fields = resume_checked_fields(resolved)
     return Prepared(
         job=job,
         training=resolved,
@@ -234,7 +244,7 @@ class Trainer:
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
-            tokenizer = self.tokenizer = load_tokenizer(t.model)
+            tokenizer = self.tokenizer = load_tokenizer(t.model, t.model_revision)
             chat = ChatTokenizer(tokenizer, t.max_length)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
             batches = MicroBatches.build(
@@ -312,7 +322,7 @@ class Trainer:
 
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
-        now = {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+        now = resume_checked_fields(self.t)
         return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
 
     # ----------------------------------------------------------------- loop
@@ -444,7 +454,7 @@ class Trainer:
             "global_batch": order.global_batch,
             "split": {"micro_batch": self.micro, "accumulation": self.accumulation},
             "config_digest": self.p.config_digest,
-            "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
+            "training": resume_checked_fields(self.t),
             "lr_scheduler": self.scheduler.state_dict(),
         }
         started = time.perf_counter()
