@@ -15,7 +15,6 @@ import yaml
 
 from jobgen.errors import UserError
 from jobgen.job.conversations import (
-    DEFAULT_SYSTEM_PROMPT,
     FORMATS,
     MAX_PROBLEMS,
     Conversation,
@@ -50,8 +49,8 @@ ALPACA = [
 ]
 EXPECTED = [
     Conversation("a", "Be brief.", (("user", "Hi"), ("assistant", "Hello."))),
-    Conversation("b", DEFAULT_SYSTEM_PROMPT, (("user", "2+2?"), ("assistant", "4"))),
-    Conversation("c", DEFAULT_SYSTEM_PROMPT, (("user", "Name a colour."), ("assistant", "Red."),
+    Conversation("b", None, (("user", "2+2?"), ("assistant", "4"))),
+    Conversation("c", None, (("user", "Name a colour."), ("assistant", "Red."),
                                               ("user", "Another?"), ("assistant", "Blue."))),
 ]
 ITEMS = {"sharegpt": SHAREGPT, "openai": OPENAI, "alpaca": ALPACA}

@@ -8,8 +8,9 @@ by default, detects it from the records' fields; `sharegpt`, `openai` or `alpaca
     openai    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}
     alpaca    {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}
 
-Each becomes a Conversation: a system prompt (the record's, else DEFAULT_SYSTEM_PROMPT) and the
-user and assistant turns in order. Alpaca's user turn is the instruction, a blank line and the
+Each becomes a Conversation: the record's system prompt (None when it gives none: the chat
+layout decides, and jobgen's ChatML writes DEFAULT_SYSTEM_PROMPT) and the user and assistant
+turns in order. Alpaca's user turn is the instruction, a blank line and the
 input (the instruction alone when the input is empty), as the Alpaca template joins them; its
 assistant turn is the output (LLaMA-Factory's `history`, earlier [instruction, output] pairs,
 comes first). Tool turns, tool calls and tool definitions are refused: the ChatML layout the
@@ -53,7 +54,7 @@ MAX_PROBLEMS = 20  # bad records `jobgen validate` lists one by one; the rest ar
 @dataclass(frozen=True)
 class Conversation:
     id: str
-    system: str
+    system: Optional[str]  # None: the record gives none
     turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
 
 
@@ -318,7 +319,7 @@ def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Conve
         system, turns = _alpaca(where, record)
     if not any(role == "assistant" for role, _ in turns):
         raise _Bad(f"{where}: no assistant turn, so nothing to learn from it")
-    return Conversation(id=str(raw_id), system=DEFAULT_SYSTEM_PROMPT if system is None else system, turns=tuple(turns))
+    return Conversation(id=str(raw_id), system=system, turns=tuple(turns))
 
 
 def _kind_of(where: str, record: dict, fmt: _FileFormat) -> str:

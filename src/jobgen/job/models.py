@@ -396,6 +396,12 @@ class Training(_Strict):
         "[{'role', 'content'}]}) or alpaca ({'instruction', 'input', 'output'}); auto detects it from the records' "
         "fields (one format per file)",
     )
+    chat_template: Optional[str] = Field(
+        None, min_length=1,
+        description="the layout conversations are trained in: tokenizer (the model's own chat template, the default "
+        "where its tokenizer has one), chatml (<|im_start|>role ... <|im_end|>, the default where it has none) or "
+        "the path of a Jinja file. The assistant's part (its words and end of turn) is what is learned",
+    )
     method: Literal["full", "lora", "qlora"] = "lora"
     zero_stage: Literal[2, 3] = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"

@@ -11,6 +11,7 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   file must not hold the login node for minutes.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
   must be a folder with config.json. A hub name is left to the nodes.
+- `training.chat_template`, when it names a Jinja file, must exist.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -37,7 +38,8 @@ def check_job_files(job: Job) -> list[str]:
         return []
     base = working_directory(job)
     warnings: list[str] = []
-    errors = [error for error in (_check_data(job, base, warnings), _check_model(job, base, warnings)) if error]
+    checks = (_check_data(job, base, warnings), _check_model(job, base, warnings), _check_chat_template(job, base, warnings))
+    errors = [error for error in checks if error]
     if errors:
         raise JobgenError("\n".join(errors))
     return warnings
@@ -97,6 +99,17 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     except UserError as error:
         return str(error)
     return None
+
+
+def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    template = job.training.chat_template
+    if template in (None, "tokenizer", "chatml"):  # the names jobgen.train.chat_template reads
+        return None
+    path = os.path.abspath(os.path.join(base, template))
+    error, warning = _where_missing("training.chat_template", path, "file", " (and it is not tokenizer or chatml)")
+    if warning:
+        warnings.append(warning)
+    return error
 
 
 def _where_missing(field: str, path: str, kind: str, also: str = "") -> tuple[Optional[str], Optional[str]]:

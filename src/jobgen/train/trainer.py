@@ -32,6 +32,7 @@ from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
 from jobgen.job.conversations import Conversation, load_conversations
+from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
 from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest, without_split
@@ -59,6 +60,9 @@ RESUME_SAFE_FIELDS = {
     # format the file is not in is refused; only an item with two formats' fields, which auto
     # refuses, reads differently as each), and checkpoints made before the field still resume.
     "data_format",
+    # Checked on its own, by the layout it resolves to (check_chat_template): unset and `tokenizer`
+    # are the same layout for a model whose tokenizer has a template.
+    "chat_template",
 }
 
 
@@ -101,6 +105,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     training = job.training
     model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
     resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
+    if resolved.chat_template not in (None, CHATML, TOKENIZER):
+        resolved = resolved.model_copy(update={"chat_template": os.path.abspath(resolved.chat_template)})
     if resolved.deepspeed_config:
         resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
     output_dir = training.output_dir
@@ -174,6 +180,24 @@ def check_schedule_total(found_state: dict, factor: LRFactor, checkpoint_name: s
         )
 
 
+def template_digest(template: str) -> str:
+    return digest(template)
+
+
+def check_chat_template(found_state: dict, chat: ChatTokenizer, checkpoint_name: str) -> None:
+    """A resumed run must train in the layout its checkpoint trained in. Checkpoints written before
+    the chat template was recorded were all trained in ChatML."""
+    saved = found_state.get("chat_template", template_digest(CHATML))
+    if saved == template_digest(chat.chat_template):
+        return
+    was = "ChatML" if saved == template_digest(CHATML) else "another chat template"
+    fix = "set training.chat_template: chatml" if was == "ChatML" else "restore the template it was trained with"
+    raise UserError(
+        f"training.chat_template: checkpoint {checkpoint_name} was trained in {was}, this job trains in "
+        f"{chat.template_name}; {fix} to resume, or use a new training.output_dir to start in the new layout"
+    )
+
+
 class Trainer:
     def __init__(self, prepared: Prepared, info: RankInfo, stop: StopRequest, report: ExitReport) -> None:
         self.p, self.info, self.stop, self.report = prepared, info, stop, report
@@ -235,7 +259,11 @@ class Trainer:
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
             tokenizer = self.tokenizer = load_tokenizer(t.model)
-            chat = ChatTokenizer(tokenizer, t.max_length)
+            chat = self.chat = ChatTokenizer(tokenizer, t.max_length, t.chat_template, self.p.job.training.model)
+            if found is not None:
+                check_chat_template(found.state, chat, os.path.basename(found.path))
+            if dist.is_main:
+                log.info("chat template: %s", chat.template_name)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
             batches = MicroBatches.build(
                 dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
@@ -446,6 +474,7 @@ class Trainer:
             "config_digest": self.p.config_digest,
             "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
             "lr_scheduler": self.scheduler.state_dict(),
+            "chat_template": template_digest(self.chat.chat_template),
         }
         started = time.perf_counter()
         self.beat.beat(step, "saving")
@@ -506,6 +535,8 @@ class Trainer:
         if dist.is_main:
             shutil.rmtree(temp, ignore_errors=True)
             engine.module.save_pretrained(temp, state_dict=state_dict)
+            # The layout it was trained in, so that inference writes conversations the same way.
+            self.tokenizer.chat_template = CHATML_JINJA if self.chat.chat_template == CHATML else self.chat.chat_template
             self.tokenizer.save_pretrained(temp)
             if os.path.exists(final):
                 old = os.path.join(self.p.output_dir, f".tmp-old-{FINAL_MODEL}")
