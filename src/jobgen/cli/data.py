@@ -43,7 +43,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     if template not in (None, CHATML, TOKENIZER):
         template = os.path.join(base, template)
     conversations = load_conversations(os.path.join(base, training.data), training.data_format)[:count]
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, training.trust_remote_code)
     chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
     uncut = ChatTokenizer(tokenizer, sys.maxsize, template, training.model)  # to tell a cut sample
     if not as_json:

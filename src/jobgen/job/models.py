@@ -396,6 +396,12 @@ class Training(_Strict):
         "[{'role', 'content'}]}) or alpaca ({'instruction', 'input', 'output'}); auto detects it from the records' "
         "fields (one format per file)",
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="run the Python code a model ships with (config.json 'auto_map'), on every node, for a model type "
+        "transformers lacks (e.g. Qwen/Qwen-7B-Chat); its files are named in the start-up log. A site profile may "
+        "forbid it",
+    )
     chat_template: Optional[str] = Field(
         None, min_length=1,
         description="the layout conversations are trained in: tokenizer (the model's own chat template, the default "

@@ -10,7 +10,10 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   conversations in its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB
   file must not hold the login node for minutes.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
-  must be a folder with config.json. A hub name is left to the nodes.
+  must be a folder with config.json, and that config (or a hub name's, in this machine's Hugging
+  Face cache) must be one the job can load (jobgen.job.model_config: its model type, its own code
+  and training.trust_remote_code, a pre-quantized checkpoint and the packages it needs). A hub
+  name not in the cache is left to the nodes.
 - `training.chat_template`, when it names a Jinja file, must exist.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
@@ -87,7 +90,7 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     # The trainer's rule (check_model_reference, run in the working directory): org/name is a hub
     # name unless it exists there or a folder there is named like its first part.
     if HUB_NAME.match(model) and not _exists(path) and not os.path.isdir(os.path.join(base, model.split("/")[0])):
-        return None
+        return _check_model_config(job, model)  # its config in this machine's hub cache, if there
     also = "" if HUB_NAME.match(model) else " (and it is not a hub name like org/name)"
     error, warning = _where_missing("training.model", path, "folder", also)
     if warning:
@@ -98,7 +101,19 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
         check_model_reference(path)
     except UserError as error:
         return str(error)
-    return None
+    return _check_model_config(job, path)
+
+
+def _check_model_config(job: Job, model: str) -> Optional[str]:
+    """What its config.json says would stop it loading (jobgen.job.model_config)."""
+    from jobgen.errors import UserError
+    from jobgen.job.model_config import model_config_problems
+
+    try:
+        problems = model_config_problems(model, job.training.method, job.training.trust_remote_code)
+    except UserError as error:
+        return str(error)
+    return "\n".join(problems) or None
 
 
 def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[str]:

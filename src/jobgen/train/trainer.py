@@ -42,6 +42,7 @@ from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
+from jobgen.job.model_config import code_files_of, model_config_problems
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
@@ -63,6 +64,8 @@ RESUME_SAFE_FIELDS = {
     # Checked on its own, by the layout it resolves to (check_chat_template): unset and `tokenizer`
     # are the same layout for a model whose tokenizer has a template.
     "chat_template",
+    # Which code builds the model, not what it computes; a checkpoint of either resumes with either.
+    "trust_remote_code",
 }
 
 
@@ -113,6 +116,9 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
+    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code)
+    if problems:
+        raise UserError("\n".join(problems))
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
@@ -258,7 +264,10 @@ class Trainer:
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
-            tokenizer = self.tokenizer = load_tokenizer(t.model)
+            if dist.is_main and t.trust_remote_code:
+                log.info("training.trust_remote_code: running the code that %s ships: %s", self.p.job.training.model,
+                         ", ".join(code_files_of(t.model)) or "none (transformers builds it)")
+            tokenizer = self.tokenizer = load_tokenizer(t.model, t.trust_remote_code)
             chat = self.chat = ChatTokenizer(tokenizer, t.max_length, t.chat_template, self.p.job.training.model)
             if found is not None:
                 check_chat_template(found.state, chat, os.path.basename(found.path))
