@@ -108,7 +108,11 @@ def scheduler_for(option: Optional[str], resolved) -> str:
 
 def check_files(job) -> None:
     """validate and submit, not render: a script may be rendered for a machine this is not."""
-    from jobgen.job.preflight import check_job_files
+    from jobgen.job.preflight import check_job_files, working_directory
+    from jobgen.train.dsconfig import check_job_deepspeed
 
-    for warning in check_job_files(job):
+    warnings = check_job_files(job)
+    if job.launch.entrypoint != "jobgen-probe":
+        warnings += check_job_deepspeed(job, working_directory(job))
+    for warning in warnings:
         click.echo(f"jobgen: warning: {warning}", err=True)

@@ -383,6 +383,14 @@ class Lora(_Strict):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head] "
+        "(peft's modules_to_save)",
+    )
+    bias: Literal["none", "all", "lora_only"] = Field(
+        "none", description="which biases train: none, all, or those of the adapted layers (peft's bias)"
+    )
 
 
 class Training(_Strict):
@@ -422,6 +430,13 @@ class Training(_Strict):
     learning_rate: float = Field(2e-4, gt=0, le=1)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="warmup as a fraction of the run's optimizer steps (rounded up), as the Hugging "
+        "Face Trainer's; give it or warmup_steps",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (fills 'auto' in a DeepSpeed config)")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's beta2 (fills 'auto' in a DeepSpeed config)")
+    adam_epsilon: float = Field(1e-8, gt=0, lt=1, description="AdamW's epsilon (fills 'auto' in a DeepSpeed config)")
     weight_decay: float = Field(0.0, ge=0)
     epochs: int = Field(1, ge=1, description="passes over the data; ignored when max_steps is set")
     max_steps: Optional[int] = Field(
@@ -455,7 +470,22 @@ class Training(_Strict):
     seed: int = 42
     logging_interval: int = Field(1, ge=1)
     tensorboard: bool = False
-    deepspeed_config: Optional[str] = Field(None, description="replaces the bundled ZeRO config")
+    deepspeed_config: Optional[str] = Field(
+        None,
+        description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
+        "values are filled from the job as the Trainer fills them, other values must agree with the job, and a "
+        "'scheduler' section of 'auto' values gives way to lr_schedule",
+    )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "Training":
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("training.warmup_steps and training.warmup_ratio are both set; give one")
+        return self
+
+    def warmup_of(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps` (warmup_ratio rounded up, as the Hugging Face Trainer)."""
+        return self.warmup_steps or math.ceil(total_steps * self.warmup_ratio)
 
 
 class Requeue(_Strict):

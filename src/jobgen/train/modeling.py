@@ -159,11 +159,19 @@ def _add_lora(model: Any, training: Training) -> Any:
             f"training.lora.target_modules: {missing} not found in {training.model!r}; "
             f"its linear layers include {sorted(_linear_names(model))}"
         )
+    missing = [m for m in training.lora.modules_to_save if m not in present]
+    if missing:
+        raise UserError(
+            f"training.lora.modules_to_save: {missing} not found in {training.model!r}; "
+            f"its modules include {sorted(present - {''})[:40]}"
+        )
     config = LoraConfig(
         r=training.lora.r,
         lora_alpha=training.lora.alpha,
         lora_dropout=training.lora.dropout,
         target_modules=list(training.lora.target_modules),
+        modules_to_save=list(training.lora.modules_to_save) or None,
+        bias=training.lora.bias,
         task_type="CAUSAL_LM",
     )
     # peft would upcast bf16/fp16 adapters to fp32. DeepSpeed casts them back to the training

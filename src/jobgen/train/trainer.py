@@ -35,14 +35,14 @@ from jobgen.job.conversations import Conversation, load_conversations
 from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
 from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
-from jobgen.train.dsconfig import build_config, digest, without_split
+from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
 from jobgen.rundir.files import FINAL_MODEL
 from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
-from jobgen.job.model_config import code_files_of, model_config_problems
+from jobgen.job.model_config import code_files_of, find_model_config, model_config_problems
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
@@ -67,6 +67,33 @@ RESUME_SAFE_FIELDS = {
     # Which code builds the model, not what it computes; a checkpoint of either resumes with either.
     "trust_remote_code",
 }
+
+
+# Fields added after checkpoints were first written, with the value every earlier run trained
+# with: left out of a checkpoint's settings at that value, so those checkpoints still resume.
+ADDED_AT = {
+    "warmup_ratio": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+    "lora.modules_to_save": [], "lora.bias": "none",
+}
+
+
+def resume_settings(training: Training) -> dict:
+    """The settings a checkpoint must share with the run that resumes it."""
+    settings = {k: v for k, v in training.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    for name, value in ADDED_AT.items():
+        *parents, key = name.split(".")
+        node = settings
+        for parent in parents:
+            node = node[parent]
+        if node.get(key) == value:
+            del node[key]
+    return settings
+
+
+def model_hidden_size(model: str) -> Optional[int]:
+    """For a DeepSpeed config's 'auto' ZeRO bucket sizes; None where the config is not here."""
+    config = find_model_config(model)
+    return hidden_size_of(config.data) if config else None
 
 
 def debug_step_delay() -> float:
@@ -127,8 +154,9 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
     # checkpoint's, when resuming) and how this world size splits it.
-    ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
-    state_fields = {k: v for k, v in resolved.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config,
+                             hidden_size=model_hidden_size(resolved.model))
+    state_fields = resume_settings(resolved)
     return Prepared(
         job=job,
         training=resolved,
@@ -250,8 +278,12 @@ class Trainer:
                 self.global_batch, dist.world_size, t.per_device_batch_size, self.p.job.procs_per_node
             )
             self.p.ds_config = build_config(
-                t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation
+                t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation,
+                model_hidden_size(t.model),
             )
+            notice = compiled_op_notice(self.p.ds_config, t.deepspeed_config or "the bundled config")
+            if notice and dist.is_main:
+                log.warning("%s", notice)
         except UserError as exc:
             error = exc
         dist.raise_together(error)
@@ -290,7 +322,7 @@ class Trainer:
         order = batches.order
         steps_per_epoch = order.steps_per_epoch
         total_steps = total_steps_of(t, steps_per_epoch)
-        factor = LRFactor(t.lr_schedule, t.warmup_steps, total_steps)
+        factor = LRFactor(t.lr_schedule, t.warmup_of(total_steps), total_steps)
         if found is not None:
             try:
                 check_schedule_total(found.state, factor, os.path.basename(found.path))
@@ -349,7 +381,7 @@ class Trainer:
 
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
-        now = {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+        now = resume_settings(self.t)
         return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
 
     # ----------------------------------------------------------------- loop
@@ -481,7 +513,7 @@ class Trainer:
             "global_batch": order.global_batch,
             "split": {"micro_batch": self.micro, "accumulation": self.accumulation},
             "config_digest": self.p.config_digest,
-            "training": {k: v for k, v in self.t.model_dump().items() if k not in RESUME_SAFE_FIELDS},
+            "training": resume_settings(self.t),
             "lr_scheduler": self.scheduler.state_dict(),
             "chat_template": template_digest(self.chat.chat_template),
         }
