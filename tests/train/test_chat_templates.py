@@ -173,3 +173,19 @@ def test_a_checkpoint_resumes_only_in_the_layout_it_trained_in():
         "of meta-llama/Meta-Llama-3-8B-Instruct; set training.chat_template: chatml to resume, or use a new "
         "training.output_dir to start in the new layout"
     )
+
+
+def test_a_run_in_the_models_template_saves_it_with_the_model(tools, tiny, tmp_path):
+    """The tiny tokenizer has ChatML's tokens; trained in Qwen 2.5's template, its final tokenizer
+    carries that template, so inference writes conversations as training did."""
+    from transformers import AutoTokenizer
+
+    from tests.train.published_templates import QWEN25
+
+    template = tmp_path / "qwen2.5.jinja"
+    template.write_text(QWEN25)
+    job = tools.write_job(tmp_path / "run", tiny, chat_template=str(template), max_steps=2)
+    result = tools.train(job)
+    assert result.returncode == 0, result.stdout
+    assert f"chat template: the chat template in {template}" in result.stdout
+    assert AutoTokenizer.from_pretrained(job.parent / "output" / "final").chat_template == QWEN25
