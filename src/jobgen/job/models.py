@@ -416,6 +416,17 @@ class Training(_Strict):
         "where its tokenizer has one), chatml (<|im_start|>role ... <|im_end|>, the default where it has none) or "
         "the path of a Jinja file. The assistant's part (its words and end of turn) is what is learned",
     )
+    eval_data: Optional[str] = Field(
+        None, description="held-out conversations (a file as training.data) whose loss is measured every eval_interval steps",
+    )
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1,
+        description="hold out this fraction of training.data (chosen by seed, at least one conversation) as the eval "
+        "set instead of eval_data; the rest trains",
+    )
+    eval_interval: Optional[int] = Field(
+        None, ge=1, description="optimizer steps between evaluations (and one at the last step); default save_interval",
+    )
     method: Literal["full", "lora", "qlora"] = "lora"
     zero_stage: Literal[2, 3] = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -481,6 +492,8 @@ class Training(_Strict):
     def _one_warmup(self) -> "Training":
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("training.warmup_steps and training.warmup_ratio are both set; give one")
+        if self.eval_data and self.eval_fraction:
+            raise ValueError("training.eval_data and training.eval_fraction are both set; give one")
         return self
 
     def warmup_of(self, total_steps: int) -> int:

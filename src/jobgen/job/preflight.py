@@ -14,7 +14,7 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   Face cache) must be one the job can load (jobgen.job.model_config: its model type, its own code
   and training.trust_remote_code, a pre-quantized checkpoint and the packages it needs). A hub
   name not in the cache is left to the nodes.
-- `training.chat_template`, when it names a Jinja file, must exist.
+- `training.chat_template`, when it names a Jinja file, and `training.eval_data` must exist.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -41,7 +41,8 @@ def check_job_files(job: Job) -> list[str]:
         return []
     base = working_directory(job)
     warnings: list[str] = []
-    checks = (_check_data(job, base, warnings), _check_model(job, base, warnings), _check_chat_template(job, base, warnings))
+    checks = (_check_data(job, base, warnings), _check_model(job, base, warnings), _check_chat_template(job, base, warnings),
+              _check_eval_data(job, base, warnings))
     errors = [error for error in checks if error]
     if errors:
         raise JobgenError("\n".join(errors))
@@ -114,6 +115,15 @@ def _check_model_config(job: Job, model: str) -> Optional[str]:
     except UserError as error:
         return str(error)
     return "\n".join(problems) or None
+
+
+def _check_eval_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    if not job.training.eval_data:
+        return None
+    error, warning = _where_missing("training.eval_data", os.path.abspath(os.path.join(base, job.training.eval_data)), "file")
+    if warning:
+        warnings.append(warning)
+    return error
 
 
 def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[str]:

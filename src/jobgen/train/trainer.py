@@ -34,6 +34,7 @@ from jobgen.train.background_save import BackgroundSaves
 from jobgen.job.conversations import Conversation, load_conversations
 from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
 from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
+from jobgen.train.evaluation import Evaluation, split_eval
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
@@ -66,6 +67,8 @@ RESUME_SAFE_FIELDS = {
     "chat_template",
     # Which code builds the model, not what it computes; a checkpoint of either resumes with either.
     "trust_remote_code",
+    # What is measured, not what trains (eval_fraction, which takes data from training, is not here).
+    "eval_data", "eval_interval",
 }
 
 
@@ -73,7 +76,7 @@ RESUME_SAFE_FIELDS = {
 # with: left out of a checkpoint's settings at that value, so those checkpoints still resume.
 ADDED_AT = {
     "warmup_ratio": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
-    "lora.modules_to_save": [], "lora.bias": "none",
+    "lora.modules_to_save": [], "lora.bias": "none", "eval_fraction": 0.0,
 }
 
 
@@ -118,6 +121,7 @@ class Prepared:
     precision: str
     placement: Placement
     conversations: list[Conversation]
+    eval_conversations: list[Conversation]
     ds_config: dict
     config_digest: str
     step_delay: float
@@ -150,6 +154,12 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
     conversations = load_conversations(resolved.data, training.data_format)
+    eval_conversations: list[Conversation] = []
+    if resolved.eval_data:
+        resolved = resolved.model_copy(update={"eval_data": os.path.abspath(resolved.eval_data)})
+        eval_conversations = load_conversations(resolved.eval_data, training.data_format)
+    elif training.eval_fraction:
+        conversations, eval_conversations = split_eval(conversations, training.eval_fraction, training.seed)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
@@ -165,6 +175,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         precision=precision,
         placement=placement,
         conversations=conversations,
+        eval_conversations=eval_conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
         step_delay=debug_step_delay(),
@@ -306,6 +317,10 @@ class Trainer:
             if dist.is_main:
                 log.info("chat template: %s", chat.template_name)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            self.evaluation = None
+            if self.p.eval_conversations:
+                held_out = TokenizedDataset(self.p.eval_conversations, chat, tokenizer.pad_token_id)
+                self.evaluation = Evaluation(held_out, dist.world_size, dist.rank, t.per_device_batch_size)
             batches = MicroBatches.build(
                 dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
                 t.group_by_length, t.max_length if t.packing else None,
@@ -444,7 +459,10 @@ class Trainer:
                 self.report.last_step = step
                 if step == first_step + 1:
                     self._record_startup(first_step)
-                if step % t.logging_interval == 0 or step == total_steps or stop:
+                evaluated = {}
+                if self.evaluation and not stop and (step % (t.eval_interval or t.save_interval) == 0 or step == total_steps):
+                    evaluated = self._evaluate(engine, step)
+                if step % t.logging_interval == 0 or step == total_steps or stop or evaluated:
                     metrics.write({
                         "step": step,
                         "time": time.time(),
@@ -459,6 +477,7 @@ class Trainer:
                         "peak_memory_mb": max(row[5] for row in rows),
                         **({"peak_reserved_mb": max(row[6] for row in rows), "host_peak_mb": max(row[7] for row in rows)}
                            if dist.cuda else {}),
+                        **evaluated,
                     })
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps:
@@ -501,6 +520,17 @@ class Trainer:
 
     def _signal_text(self) -> str:
         return self.report.signal or "a signal"
+
+    def _evaluate(self, engine: Any, step: int) -> dict:
+        """Collective: the eval set's loss (jobgen.train.evaluation), logged by rank 0."""
+        started = time.perf_counter()
+        result = self.evaluation.run(engine, self.dist, _token_loss_sum,
+                                     lambda round_: self.beat.beat(step, f"evaluating {round_}"))
+        self.beat.beat(step, "training")
+        if self.dist.is_main:
+            log.info("eval at step %d: loss %.4f, perplexity %.2f over %d tokens (%.1f s)", step, result["eval_loss"],
+                     result["eval_perplexity"], result["eval_tokens"], time.perf_counter() - started)
+        return result
 
     # -------------------------------------------------------------- outputs
     def _save_checkpoint(self, step: int, order: BatchOrder, wait: bool = True) -> None:
