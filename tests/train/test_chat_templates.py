@@ -189,3 +189,20 @@ def test_a_run_in_the_models_template_saves_it_with_the_model(tools, tiny, tmp_p
     assert result.returncode == 0, result.stdout
     assert f"chat template: the chat template in {template}" in result.stdout
     assert AutoTokenizer.from_pretrained(job.parent / "output" / "final").chat_template == QWEN25
+
+
+def test_an_assistant_message_of_weight_0_is_in_the_ids_but_not_learned(tmp_path):
+    first_not_learned = Conversation("w", None, TWO_ROUNDS.turns, unlearned=(1,))
+    for family in ("llama3", "qwen2.5"):
+        tokenizer = family_tokenizer(family)
+        chat = ChatTokenizer(tokenizer, 4096)
+        ids, labels = chat(first_not_learned)
+        assert ids == chat(TWO_ROUNDS)[0]
+        assert [tokenizer.decode(run) for run in learned_runs(ids, labels)] == expected_answers(family, TWO_ROUNDS)[1:]
+    tokenizer = family_tokenizer("qwen2.5")
+    ids, labels = ChatTokenizer(tokenizer, 4096, "chatml")(first_not_learned)
+    assert [tokenizer.decode(run) for run in learned_runs(ids, labels)] == ["<|im_start|>", " Blue, like the sky.\n<|im_end|>\n"]
+    path = tmp_path / "marked.jinja"
+    path.write_text(GENERATION_MARKED)
+    ids, labels = ChatTokenizer(tokenizer, 4096, str(path))(first_not_learned)
+    assert [tokenizer.decode(run) for run in learned_runs(ids, labels)] == [" Blue, like the sky.\n<|im_end|>"]

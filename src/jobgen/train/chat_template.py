@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence
 
 from jobgen.errors import UserError
 
@@ -95,21 +95,36 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def marked_spans(tokenizer: Any, template: str, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
-    """(ids, learned) from the template's `{% generation %}` marks."""
+def marked_spans(tokenizer: Any, template: str, messages: Sequence[dict],
+                 skip: AbstractSet[int] = frozenset()) -> tuple[list[int], list[bool]]:
+    """(ids, learned) from the template's `{% generation %}` marks; the marked runs of the
+    assistant messages in `skip` (indices into `messages`) are not learned."""
     out = tokenizer.apply_chat_template(
         list(messages), chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
-    return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    learned = [bool(m) for m in out["assistant_masks"]]
+    if skip:
+        runs = [i for i in range(len(learned)) if learned[i] and (i == 0 or not learned[i - 1])]
+        assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(runs) != len(assistants):
+            raise NotExact("its marked parts are not one per assistant message, so a message of weight 0 cannot be told apart")
+        for start, index in zip(runs, assistants):
+            if index in skip:
+                end = start
+                while end < len(learned) and learned[end]:
+                    learned[end] = False
+                    end += 1
+    return list(out["input_ids"]), learned
 
 
-def rendered_spans(tokenizer: Any, template: str, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
+def rendered_spans(tokenizer: Any, template: str, messages: Sequence[dict],
+                   skip: AbstractSet[int] = frozenset()) -> tuple[list[int], list[bool]]:
     """(ids, learned) with each assistant message's part found by rendering prefixes (module docstring)."""
     text = render(tokenizer, template, messages)
     ids = encode(tokenizer, text)
     learned = [False] * len(ids)
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or index in skip:
             continue
         try:
             before = render(tokenizer, template, messages[:index], generation_prompt=True)

@@ -8,7 +8,7 @@ conversation, the tokenizer, `max_length` and its `chat_template` attribute (wha
 the model learns to say; sequences are cut to `max_length`.
 - A Jinja template (the tokenizer's own, or a file): the ids are apply_chat_template's, and the
   learned tokens are the assistant's part as the template writes it (its content and end-of-turn);
-  system and user turns and the role headers are not learned. A conversation whose assistant part
+  system and user turns, the role headers and assistant messages of weight 0 are not learned. A conversation whose assistant part
   cannot be found exactly is a UserError naming the model and what to set instead.
 - ChatML (the reference Qwen fine-tune's layout): `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per
   turn, with a system turn first ("You are a helpful assistant." unless the item gives one); on
@@ -89,12 +89,12 @@ class ChatTokenizer:
         ids: list[int] = []
         labels: list[int] = []
         system = DEFAULT_SYSTEM_PROMPT if conversation.system is None else conversation.system
-        for role, text in (("system", system),) + conversation.turns:
+        for position, (role, text) in enumerate((("system", system),) + conversation.turns):
             header = self._encode(role + "\n")
             content = self._encode(text)
             turn = self.im_start + header + content + self.im_end + self.newline
             ids += turn
-            if role == "assistant":
+            if role == "assistant" and position - 1 not in conversation.unlearned:  # turns follow the system turn
                 labels += self.im_start + [IGNORE_INDEX] * len(header) + content + self.im_end + self.newline
             else:
                 labels += [IGNORE_INDEX] * len(turn)
@@ -102,12 +102,13 @@ class ChatTokenizer:
 
     def _templated(self, conversation: Conversation) -> tuple[list[int], list[bool]]:
         messages = ([{"role": "system", "content": conversation.system}] if conversation.system is not None else [])
+        skip = {index + len(messages) for index in conversation.unlearned}  # weight-0 messages
         messages += [{"role": role, "content": text} for role, text in conversation.turns]
         where = f"conversation {conversation.id!r}"
         try:
             if self.generation_marks:
-                return marked_spans(self.tokenizer, self.chat_template, messages)
-            return rendered_spans(self.tokenizer, self.chat_template, messages)
+                return marked_spans(self.tokenizer, self.chat_template, messages, skip)
+            return rendered_spans(self.tokenizer, self.chat_template, messages, skip)
         except NotExact as exc:
             raise UserError(
                 f"training.chat_template: {where}: the assistant's part cannot be found exactly in "
