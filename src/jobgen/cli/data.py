@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -45,18 +44,17 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     conversations = load_conversations(os.path.join(base, training.data), training.data_format)[:count]
     tokenizer = load_tokenizer(model, training.trust_remote_code)
     chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
-    uncut = ChatTokenizer(tokenizer, sys.maxsize, template, training.model)  # to tell a cut sample
     if not as_json:
         click.echo(f"# {len(conversations)} sample(s) in {chat.template_name}; learned tokens are between "
                    f"{LEARNED_START} and {LEARNED_END}")
     for conversation in conversations:
+        whole, _ = chat.uncut(conversation)
         ids, labels = chat(conversation)
         if as_json:
             click.echo(json.dumps({"id": conversation.id, "input_ids": ids, "labels": labels}))
             continue
         learned = [label != IGNORE_INDEX for label in labels]
-        length = len(uncut(conversation)[0])
-        cut = f" (cut from {length} to max_length)" if length > len(ids) else ""
+        cut = f" (cut from {len(whole)} to max_length)" if len(whole) > len(ids) else ""
         click.echo(f"# sample {conversation.id!r}: {len(ids)} tokens{cut}, {sum(learned)} learned")
         click.echo(marked_text(chat.tokenizer, ids, learned))
 

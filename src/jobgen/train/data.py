@@ -78,12 +78,15 @@ class ChatTokenizer:
         return self._encode(text)  # a tokenizer without chat tokens spells the marker out
 
     def __call__(self, conversation: Conversation) -> tuple[list[int], list[int]]:
-        if self.chat_template == CHATML:
-            ids, labels = self._chatml(conversation)
-        else:
-            ids, learned = self._templated(conversation)
-            labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
+        ids, labels = self.uncut(conversation)
         return ids[: self.max_length], labels[: self.max_length]
+
+    def uncut(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) before the cut to max_length."""
+        if self.chat_template == CHATML:
+            return self._chatml(conversation)
+        ids, learned = self._templated(conversation)
+        return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
 
     def _chatml(self, conversation: Conversation) -> tuple[list[int], list[int]]:
         ids: list[int] = []
@@ -132,9 +135,11 @@ class TokenizedDataset:
 
     def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
         self.ids = [c.id for c in conversations]
-        encoded = [chat(c) for c in conversations]
-        self.input_ids = [e[0] for e in encoded]
-        self.labels = [e[1] for e in encoded]
+        uncut = [chat.uncut(c) for c in conversations]
+        self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
+        self.labels = [labels[: chat.max_length] for _, labels in uncut]
+        # Conversations longer than max_length: the trainer says how many were cut.
+        self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
         # Tokens each sample is trained on: labels after the first (position t predicts t+1; a
         # packed row masks each sample's first label, which the unpacked shift drops too).
         self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]

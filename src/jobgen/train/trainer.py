@@ -317,6 +317,10 @@ class Trainer:
             if dist.is_main:
                 log.info("chat template: %s", chat.template_name)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            if dataset.cut_lengths and dist.is_main:
+                log.warning("%d of %d conversations are longer than training.max_length (%d tokens) and are cut to it; "
+                            "the longest has %d tokens", len(dataset.cut_lengths), len(dataset), t.max_length,
+                            max(dataset.cut_lengths))
             self.evaluation = None
             if self.p.eval_conversations:
                 held_out = TokenizedDataset(self.p.eval_conversations, chat, tokenizer.pad_token_id)
