@@ -15,7 +15,6 @@ import yaml
 
 from jobgen.errors import UserError
 from jobgen.job.conversations import (
-    DEFAULT_SYSTEM_PROMPT,
     FORMATS,
     MAX_PROBLEMS,
     Conversation,
@@ -50,8 +49,8 @@ ALPACA = [
 ]
 EXPECTED = [
     Conversation("a", "Be brief.", (("user", "Hi"), ("assistant", "Hello."))),
-    Conversation("b", DEFAULT_SYSTEM_PROMPT, (("user", "2+2?"), ("assistant", "4"))),
-    Conversation("c", DEFAULT_SYSTEM_PROMPT, (("user", "Name a colour."), ("assistant", "Red."),
+    Conversation("b", None, (("user", "2+2?"), ("assistant", "4"))),
+    Conversation("c", None, (("user", "Name a colour."), ("assistant", "Red."),
                                               ("user", "Another?"), ("assistant", "Blue."))),
 ]
 ITEMS = {"sharegpt": SHAREGPT, "openai": OPENAI, "alpaca": ALPACA}
@@ -156,7 +155,9 @@ BAD = {
         ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]},
          "messages[1] is a system message; a system message may only come first"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]},
-         "messages[1].weight is 0: a message that is not learned is not supported yet"),
+         "every assistant message has weight 0, so nothing to learn from it"),
+        ({"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]},
+         "messages[0].weight is given on a user message; only assistant messages are learned"),
         ({"messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}, "messages[0].weight is 0.5; expected 0 or 1"),
         ({"messages": []}, "'messages' is empty"),
         ({"messages": {"role": "user"}}, "'messages' must be a list, got dict"),
@@ -309,3 +310,11 @@ def test_the_readmes_record_of_each_format_reads_as_that_format(tmp_path: Path) 
         assert (check.format, check.problems) == (data_format, [])
         [read] = load_conversations(path)
         assert read.system == "Be brief." and read.turns[-1][0] == "assistant"
+
+
+def test_an_openai_assistant_message_of_weight_0_is_kept_and_marked_not_learned(tmp_path):
+    path = write(tmp_path, [{"id": "w", "messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red.", "weight": 0},
+        {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue.", "weight": 1}]}])
+    read = load_conversations(path)[0]
+    assert read.turns[1] == ("assistant", "Red.") and read.unlearned == (1,)

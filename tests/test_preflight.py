@@ -104,7 +104,7 @@ def test_a_local_model_folder_must_exist_and_hold_config_json(tmp_path: Path) ->
     for model, message in cases.items():
         result = jobgen("validate", str(job_file(tmp_path, model=model)), cwd=tmp_path)
         assert result.returncode == 2 and errors_of(result) == [f"jobgen: error: {message}"], model
-    (tmp_path / "models" / "base" / "config.json").write_text("{}")
+    (tmp_path / "models" / "base" / "config.json").write_text('{"model_type": "llama"}')
     for model in ("models/base", "meta-llama/Meta-Llama-3-8B"):  # a hub name the nodes' cache lacks only warns
         result = jobgen("validate", str(job_file(tmp_path, model=model)), cwd=tmp_path)
         assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
@@ -143,7 +143,7 @@ def test_a_probe_job_and_render_check_no_files(tmp_path: Path) -> None:
 def test_checking_the_files_imports_no_training_library(tmp_path: Path) -> None:
     # The checks use the trainer's own reader and model rule, whose modules import torch lazily.
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     config = job_file(tmp_path, data=str(write_conversations(tmp_path / "data.json")), model=str(tmp_path / "model"))
     code = (
         "import sys; from jobgen.cli import main\n"

@@ -117,7 +117,7 @@ def test_the_default_site_comes_from_the_users_config_and_none_opts_out(tmp_path
 def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: dict) -> None:
     config = write_yaml(tmp_path / "job.yaml", JOB)
     cases = {
-        "limit": "unknown key 'limit' in site profile; known keys: description, scheduler, defaults, limits, templates, examples",
+        "limit": "unknown key 'limit' in site profile; known keys: description, scheduler, defaults, limits, policy, templates, examples",
         "defaults": "defaults: unknown key 'resources.partiton' (did you mean 'partition'?)",
         "limits": "'limits.gpu.max_time' is '2 days': expected [D-]HH:MM:SS",
         "scheduler": "'scheduler': unknown scheduler 'lsf'",

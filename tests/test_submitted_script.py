@@ -42,7 +42,7 @@ def submit_directory(tmp_path: Path) -> Path:
         (tmp_path / data).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / data).write_text(json.dumps(conversation))
     (tmp_path / "tiny" / "model").mkdir()
-    (tmp_path / "tiny" / "model" / "config.json").write_text("{}")
+    (tmp_path / "tiny" / "model" / "config.json").write_text('{"model_type": "llama"}')
     return tmp_path
 
 

@@ -81,7 +81,8 @@ def _training(**fields) -> Training:
 def test_deepspeed_config_with_a_scheduler_is_refused(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}))
-    with pytest.raises(UserError, match=r"has a 'scheduler' section, which would override training.lr_schedule"):
+    with pytest.raises(UserError, match=r"has a 'scheduler' section \(WarmupLR\) with values of its own, which would "
+                                        r"override training.lr_schedule"):
         build_config(_training(), 2, "fp32", str(config))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from jobgen.errors import UserError
 from jobgen.job.conversations import load_conversations
-from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, MicroBatches, split_global_batch
+from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import StopRequest
 from jobgen.train.trainer import LRFactor
@@ -54,6 +54,11 @@ def test_truncation_to_max_length(tmp_path, tokenizer):
     conversation = _conversation(tmp_path, [{"from": "user", "value": "a " * 200}, {"from": "assistant", "value": "b"}])
     ids, labels = ChatTokenizer(tokenizer, max_length=16)(conversation)
     assert len(ids) == len(labels) == 16
+    # The dataset counts what it cut, for the trainer's warning.
+    short = _conversation(tmp_path, [{"from": "user", "value": "a"}, {"from": "assistant", "value": "b"}])
+    whole = len(ChatTokenizer(tokenizer, max_length=4096)(conversation)[0])
+    chat = ChatTokenizer(tokenizer, max_length=whole - 1)
+    assert TokenizedDataset([conversation, short], chat, 0).cut_lengths == [whole]
 
 
 def _steps(num, global_batch, world, epoch, lengths=None, max_micro=3):

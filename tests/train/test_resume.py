@@ -157,6 +157,21 @@ def test_resuming_with_a_different_max_steps_is_refused_in_one_line(runs, tools,
     assert "jobgen/train/" not in result.stdout
 
 
+def test_resuming_in_another_chat_template_is_refused_in_one_line(runs, tools, tmp_path, tiny):
+    """The checkpoint trained in ChatML (the tiny tokenizer has no template of its own)."""
+    job = _copy_run(runs["straight"], tmp_path / "copy")
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    tools.write_job(job.parent, tiny, chat_template=str(template))
+    result = tools.train(job)
+    assert result.returncode != 0
+    assert (f"jobgen-train: error: training.chat_template: checkpoint step-000012 was trained in ChatML, this job "
+            f"trains in the chat template in {template}; set training.chat_template: chatml to resume, or use a new "
+            "training.output_dir to start in the new layout") in result.stdout
+    assert "jobgen/train/" not in result.stdout
+
+
 def test_signal_to_one_worker_stops_every_rank_at_the_same_step(tools, tiny, tmp_path):
     job = tools.write_job(tmp_path / "direct", tiny)
     proc = tools.start(job, JOBGEN_DEBUG_STEP_DELAY="0.4")

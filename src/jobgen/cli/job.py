@@ -117,11 +117,33 @@ def validate(
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
         f"{'-'.join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))} ({job.backend}); "
-        f"global batch {job.global_batch}; {job.training.method}, "
+        f"global batch {job.global_batch}; {planned_steps(job)}; {job.training.method}, "
         f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
     )
     if sweep is not None:
         click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
+
+
+def planned_steps(job) -> str:
+    """The run's optimizer steps (and warmup), as the trainer will count them: `3 epochs x 40 steps
+    = 120 steps, warmup 4`. Packed rows are only known once tokenized."""
+    import math
+    import os
+
+    from jobgen.job.conversations import check_conversations
+    from jobgen.job.preflight import CHECK_WHOLE_BYTES, working_directory
+
+    t = job.training
+    if t.max_steps is not None:
+        total, how = t.max_steps, f"{t.max_steps} steps (max_steps)"
+    else:
+        path = os.path.join(working_directory(job), t.data)
+        if t.packing or not os.path.isfile(path) or os.path.getsize(path) > CHECK_WHOLE_BYTES:
+            return f"{t.epochs} epoch(s) (steps known once the data is tokenized)"
+        per_epoch = math.ceil(check_conversations(path, t.data_format).good / job.global_batch)
+        total, how = per_epoch * t.epochs, f"{t.epochs} epoch(s) x {per_epoch} steps = {per_epoch * t.epochs} steps"
+    warmup = t.warmup_of(total)
+    return how + (f", warmup {warmup}" if warmup else "")
 
 
 @click.command()

@@ -74,7 +74,7 @@ def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_
     """The job with every layer applied, checked against its site profile: the profile's
     scheduler exists, and the job keeps within the limits of its partition (or queue)."""
     from jobgen.job.layers import resolve_job
-    from jobgen.job.sites import check_limits, chosen_site
+    from jobgen.job.sites import check_limits, check_policy, chosen_site
     from jobgen.schedulers import get_scheduler
 
     resolved = resolve_job(config, chosen_site(site), overrides)
@@ -85,6 +85,7 @@ def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_
         except JobgenError as error:
             raise JobgenError(f"{resolved.site.path}: 'scheduler': {error}") from None
     check_limits(resolved.job, resolved.site, str(config), word)
+    check_policy(resolved.job, resolved.site, str(config))
     if echo_warnings:
         for warning in resolved.warnings:
             click.echo(f"jobgen: warning: {warning}", err=True)
@@ -157,7 +158,11 @@ def scheduler_for(option: Optional[str], resolved) -> str:
 
 def check_files(job) -> None:
     """validate and submit, not render: a script may be rendered for a machine this is not."""
-    from jobgen.job.preflight import check_job_files
+    from jobgen.job.preflight import check_job_files, working_directory
+    from jobgen.train.dsconfig import check_job_deepspeed
 
-    for warning in check_job_files(job):
+    warnings = check_job_files(job)
+    if job.launch.entrypoint != "jobgen-probe":
+        warnings += check_job_deepspeed(job, working_directory(job))
+    for warning in warnings:
         click.echo(f"jobgen: warning: {warning}", err=True)

@@ -5,11 +5,12 @@ by default, detects it from the records' fields; `sharegpt`, `openai` or `alpaca
 
     sharegpt  {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
                "system": "optional"}   `from`: human or user, gpt or assistant, system
-    openai    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}
+    openai    {"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}]}
     alpaca    {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}
 
-Each becomes a Conversation: a system prompt (the record's, else DEFAULT_SYSTEM_PROMPT) and the
-user and assistant turns in order. Alpaca's user turn is the instruction, a blank line and the
+Each becomes a Conversation: the record's system prompt (None when it gives none: the chat
+layout decides, and jobgen's ChatML writes DEFAULT_SYSTEM_PROMPT) and the user and assistant
+turns in order. Alpaca's user turn is the instruction, a blank line and the
 input (the instruction alone when the input is empty), as the Alpaca template joins them; its
 assistant turn is the output (LLaMA-Factory's `history`, earlier [instruction, output] pairs,
 comes first). Tool turns, tool calls and tool definitions are refused: the ChatML layout the
@@ -53,8 +54,9 @@ MAX_PROBLEMS = 20  # bad records `jobgen validate` lists one by one; the rest ar
 @dataclass(frozen=True)
 class Conversation:
     id: str
-    system: str
+    system: Optional[str]  # None: the record gives none
     turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
+    unlearned: tuple[int, ...] = ()  # indices into turns of assistant turns not learned (OpenAI weight 0)
 
 
 @dataclass
@@ -310,15 +312,18 @@ def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Conve
         raise _Bad(f"{where}: 'id' must be a string or an integer, got {type(raw_id).__name__}")
     where = f"{path}: {_label(index, record)}"
     kind = _kind_of(where, record, fmt)
+    unlearned: tuple[int, ...] = ()
     if kind == "sharegpt":
         system, turns = _sharegpt(where, record)
     elif kind == "openai":
-        system, turns = _openai(where, record)
+        system, turns, unlearned = _openai(where, record)
     else:
         system, turns = _alpaca(where, record)
     if not any(role == "assistant" for role, _ in turns):
         raise _Bad(f"{where}: no assistant turn, so nothing to learn from it")
-    return Conversation(id=str(raw_id), system=DEFAULT_SYSTEM_PROMPT if system is None else system, turns=tuple(turns))
+    if all(role != "assistant" or index in unlearned for index, (role, _) in enumerate(turns)):
+        raise _Bad(f"{where}: every assistant message has weight 0, so nothing to learn from it")
+    return Conversation(id=str(raw_id), system=system, turns=tuple(turns), unlearned=unlearned)
 
 
 def _kind_of(where: str, record: dict, fmt: _FileFormat) -> str:
@@ -404,11 +409,12 @@ def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns]:
     return system, checked
 
 
-def _openai(where: str, record: dict) -> tuple[Optional[str], Turns]:
+def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, ...]]:
     messages = _list_field(where, record, "messages")
     _no_tool_definitions(where, record)
     system: Optional[str] = None
     checked: Turns = []
+    unlearned: list[int] = []
     for position, message in enumerate(messages):
         name = f"messages[{position}]"
         if not isinstance(message, dict):
@@ -428,13 +434,12 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns]:
             raise _Bad(f"{where}: {name}.role is {_short(role)}; expected one of {', '.join(OPENAI_ROLES)}")
         if "weight" in message:
             weight = message["weight"]
-            if weight == 0 and not isinstance(weight, bool):
-                raise _Bad(
-                    f"{where}: {name}.weight is 0: a message that is not learned is not supported yet; "
-                    "remove the weight to learn it, or the message"
-                )
-            if weight != 1 or isinstance(weight, bool):
+            if weight not in (0, 1) or isinstance(weight, bool):
                 raise _Bad(f"{where}: {name}.weight is {_short(weight)}; expected 0 or 1")
+            if role != "assistant":
+                raise _Bad(f"{where}: {name}.weight is given on a {role} message; only assistant messages are learned")
+            if weight == 0:
+                unlearned.append(len(checked))  # the index this message will have among the turns
         if isinstance(content, list):
             raise _Bad(f"{where}: {name}.content is a list of content parts; give the text as one string")
         if not isinstance(content, str):
@@ -445,7 +450,7 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns]:
             system = content
             continue
         checked.append((role, content))
-    return system, checked
+    return system, checked, tuple(unlearned)
 
 
 def _alpaca(where: str, record: dict) -> tuple[Optional[str], Turns]:

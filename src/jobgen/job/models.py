@@ -383,6 +383,14 @@ class Lora(_Strict):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head] "
+        "(peft's modules_to_save)",
+    )
+    bias: Literal["none", "all", "lora_only"] = Field(
+        "none", description="which biases train: none, all, or those of the adapted layers (peft's bias)"
+    )
 
 
 class Training(_Strict):
@@ -401,6 +409,29 @@ class Training(_Strict):
         "[{'role', 'content'}]}) or alpaca ({'instruction', 'input', 'output'}); auto detects it from the records' "
         "fields (one format per file)",
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="run the Python code a model ships with (config.json 'auto_map'), on every node, for a model type "
+        "transformers lacks (e.g. Qwen/Qwen-7B-Chat); its files are named in the start-up log. A site profile may "
+        "forbid it",
+    )
+    chat_template: Optional[str] = Field(
+        None, min_length=1,
+        description="the layout conversations are trained in: tokenizer (the model's own chat template, the default "
+        "where its tokenizer has one), chatml (<|im_start|>role ... <|im_end|>, the default where it has none) or "
+        "the path of a Jinja file. The assistant's part (its words and end of turn) is what is learned",
+    )
+    eval_data: Optional[str] = Field(
+        None, description="held-out conversations (a file as training.data) whose loss is measured every eval_interval steps",
+    )
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1,
+        description="hold out this fraction of training.data (chosen by seed, at least one conversation) as the eval "
+        "set instead of eval_data; the rest trains",
+    )
+    eval_interval: Optional[int] = Field(
+        None, ge=1, description="optimizer steps between evaluations (and one at the last step); default save_interval",
+    )
     method: Literal["full", "lora", "qlora"] = "lora"
     zero_stage: Literal[2, 3] = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -415,6 +446,13 @@ class Training(_Strict):
     learning_rate: float = Field(2e-4, gt=0, le=1)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="warmup as a fraction of the run's optimizer steps (rounded up), as the Hugging "
+        "Face Trainer's; give it or warmup_steps",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (fills 'auto' in a DeepSpeed config)")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's beta2 (fills 'auto' in a DeepSpeed config)")
+    adam_epsilon: float = Field(1e-8, gt=0, lt=1, description="AdamW's epsilon (fills 'auto' in a DeepSpeed config)")
     weight_decay: float = Field(0.0, ge=0)
     epochs: int = Field(1, ge=1, description="passes over the data; ignored when max_steps is set")
     max_steps: Optional[int] = Field(
@@ -448,7 +486,24 @@ class Training(_Strict):
     seed: int = 42
     logging_interval: int = Field(1, ge=1)
     tensorboard: bool = False
-    deepspeed_config: Optional[str] = Field(None, description="replaces the bundled ZeRO config")
+    deepspeed_config: Optional[str] = Field(
+        None,
+        description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
+        "values are filled from the job as the Trainer fills them, other values must agree with the job, and a "
+        "'scheduler' section of 'auto' values gives way to lr_schedule",
+    )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "Training":
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("training.warmup_steps and training.warmup_ratio are both set; give one")
+        if self.eval_data and self.eval_fraction:
+            raise ValueError("training.eval_data and training.eval_fraction are both set; give one")
+        return self
+
+    def warmup_of(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps` (warmup_ratio rounded up, as the Hugging Face Trainer)."""
+        return self.warmup_steps or math.ceil(total_steps * self.warmup_ratio)
 
 
 class Requeue(_Strict):

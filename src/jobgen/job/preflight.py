@@ -10,8 +10,12 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   conversations in its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB
   file must not hold the login node for minutes.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
-  must be a folder with config.json. A hub name that is not complete in the cache the nodes use
-  (jobgen.job.hub_cache) is a warning: nodes with internet download it, others cannot.
+  must be a folder with config.json, and that config (or a hub name's, in this machine's Hugging
+  Face cache) must be one the job can load (jobgen.job.model_config: its model type, its own code
+  and training.trust_remote_code, a pre-quantized checkpoint and the packages it needs). A hub
+  name that is not complete in the cache the nodes use (jobgen.job.hub_cache) is a warning:
+  nodes with internet download it, others cannot.
+- `training.chat_template`, when it names a Jinja file, and `training.eval_data` must exist.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -38,7 +42,9 @@ def check_job_files(job: Job) -> list[str]:
         return []
     base = working_directory(job)
     warnings: list[str] = []
-    errors = [error for error in (_check_data(job, base, warnings), _check_model(job, base, warnings)) if error]
+    checks = (_check_data(job, base, warnings), _check_model(job, base, warnings), _check_chat_template(job, base, warnings),
+              _check_eval_data(job, base, warnings))
+    errors = [error for error in checks if error]
     if errors:
         raise JobgenError("\n".join(errors))
     return warnings
@@ -87,7 +93,7 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     # name unless it exists there or a folder there is named like its first part.
     if HUB_NAME.match(model) and not _exists(path) and not os.path.isdir(os.path.join(base, model.split("/")[0])):
         _check_hub_model(job, warnings)
-        return None
+        return _check_model_config(job, model)  # its config in this machine's hub cache, if there
     also = "" if HUB_NAME.match(model) else " (and it is not a hub name like org/name)"
     error, warning = _where_missing("training.model", path, "folder", also)
     if warning:
@@ -98,7 +104,39 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
         check_model_reference(path)
     except UserError as error:
         return str(error)
-    return None
+    return _check_model_config(job, path)
+
+
+def _check_model_config(job: Job, model: str) -> Optional[str]:
+    """What its config.json says would stop it loading (jobgen.job.model_config)."""
+    from jobgen.errors import UserError
+    from jobgen.job.model_config import model_config_problems
+
+    try:
+        problems = model_config_problems(model, job.training.method, job.training.trust_remote_code)
+    except UserError as error:
+        return str(error)
+    return "\n".join(problems) or None
+
+
+def _check_eval_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    if not job.training.eval_data:
+        return None
+    error, warning = _where_missing("training.eval_data", os.path.abspath(os.path.join(base, job.training.eval_data)), "file")
+    if warning:
+        warnings.append(warning)
+    return error
+
+
+def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[str]:
+    template = job.training.chat_template
+    if template in (None, "tokenizer", "chatml"):  # the names jobgen.train.chat_template reads
+        return None
+    path = os.path.abspath(os.path.join(base, template))
+    error, warning = _where_missing("training.chat_template", path, "file", " (and it is not tokenizer or chatml)")
+    if warning:
+        warnings.append(warning)
+    return error
 
 
 def _check_hub_model(job: Job, warnings: list[str]) -> None:

@@ -10,6 +10,8 @@ A profile is a YAML file; every key is optional and an unknown one is refused:
       environment: {modules: [cuda/12.4]}
     limits:                   # per partition (Slurm) or queue (PBS Pro, Torque)
       gpu: {max_nodes: 16, max_time: "2-00:00:00", max_gpus_per_node: 8, max_cpus_per_node: 128}
+    policy:                   # what jobs on this cluster may not do
+      allow_trust_remote_code: false   # refuse training.trust_remote_code (a model's own code)
     templates: templates      # folder of template overrides, relative to the profile
     examples: examples        # folder of job files that `jobgen sites check` renders too
 
@@ -33,7 +35,7 @@ from jobgen.resources import bundled_path
 from jobgen.job.yamlfile import read_yaml_mapping
 
 NO_SITE = "none"
-PROFILE_KEYS = ("description", "scheduler", "defaults", "limits", "templates", "examples")
+PROFILE_KEYS = ("description", "scheduler", "defaults", "limits", "policy", "templates", "examples")
 
 
 class PartitionLimits(BaseModel):
@@ -60,6 +62,16 @@ class PartitionLimits(BaseModel):
         return value
 
 
+class SitePolicy(BaseModel):
+    """What an admin forbids every job on the cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow_trust_remote_code: bool = Field(
+        True, description="false: refuse jobs with training.trust_remote_code (code shipped with a model runs on the nodes)"
+    )
+
+
 class ProfileFile(BaseModel):
     """The keys of a profile file; `defaults` is checked against the job model separately."""
 
@@ -69,6 +81,7 @@ class ProfileFile(BaseModel):
     scheduler: Optional[str] = Field(None, pattern=r"^[a-z][a-z0-9_-]*$")
     defaults: dict[str, Any] = Field(default_factory=dict)
     limits: dict[Annotated[str, StringConstraints(pattern=SCHEDULER_NAME)], PartitionLimits] = Field(default_factory=dict)
+    policy: SitePolicy = Field(default_factory=SitePolicy)
     templates: Optional[str] = None
     examples: Optional[str] = None
 
@@ -85,6 +98,7 @@ class SiteProfile:
     limits: dict[str, PartitionLimits] = field(default_factory=dict)
     examples_dir: Optional[Path] = None
     description: str = ""
+    policy: SitePolicy = field(default_factory=SitePolicy)
 
 
 @dataclass(frozen=True)
@@ -212,6 +226,7 @@ def read_profile(path: Path, name: str) -> SiteProfile:
         limits=profile.limits,
         examples_dir=_folder(path, "examples", profile.examples),
         description=(profile.description or "").strip(),
+        policy=profile.policy,
     )
 
 
@@ -267,3 +282,12 @@ def check_limits(job: Job, site: SiteProfile, source: str, partition_word: str =
             f"lower '{name}' or choose another {word} (limits of site {site.name})"
             for name, allowed, asked in over
         ))
+
+
+def check_policy(job: Job, site: SiteProfile, source: str) -> None:
+    """Refuses a job that does what the site's policy forbids, naming the field and the profile."""
+    if job.training.trust_remote_code and not site.policy.allow_trust_remote_code:
+        raise JobgenError(
+            f"{source}: training.trust_remote_code is true, but site {site.name} forbids running a model's own code "
+            f"(policy.allow_trust_remote_code: false in {site.path}); use a model that transformers supports"
+        )

@@ -40,9 +40,14 @@ def last_metrics(run_path: Path, job: Optional[dict[str, Any]] = None) -> Option
     return last_record(output_dir(run_path, job) / METRICS_FILE)
 
 
-def last_record(path: Path, chunk: int = 65536) -> Optional[dict[str, Any]]:
-    """The last whole record of a JSON-lines file, read from its end: a long run's metrics are
-    many megabytes, and `jobgen runs` reads one record of each run."""
+def last_eval(run_path: Path, job: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The newest metrics record with an eval loss, among the last 64 KiB of records (None if none)."""
+    return last_record(output_dir(run_path, job) / METRICS_FILE, having="eval_loss")
+
+
+def last_record(path: Path, chunk: int = 65536, having: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The last whole record of a JSON-lines file (with the key `having`, when given), read from
+    its end: a long run's metrics are many megabytes, and `jobgen runs` reads one record of each run."""
     try:
         with path.open("rb") as handle:
             size = handle.seek(0, os.SEEK_END)
@@ -55,7 +60,7 @@ def last_record(path: Path, chunk: int = 65536) -> Optional[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:  # the line being written, or the cut first line of the chunk
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and (having is None or having in record):
             return record
     return None
 
@@ -104,6 +109,8 @@ def describe_progress(record: dict) -> str:
     parts = [f"step {record['step']}/{record['total_steps']}" if record.get("total_steps") else f"step {record['step']}"]
     if isinstance(record.get("loss"), (int, float)):
         parts.append(f"loss {record['loss']:.4f}")
+    if isinstance(record.get("eval_loss"), (int, float)):
+        parts.append(f"eval loss {record['eval_loss']:.4f}")
     if isinstance(record.get("tokens_per_s"), (int, float)):
         parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
     if isinstance(record.get("seconds_left"), (int, float)):

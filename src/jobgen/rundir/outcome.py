@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any, Optional
 
 from jobgen.rundir import files as runfiles
-from jobgen.rundir.metrics import last_metrics, output_dir
+from jobgen.rundir.metrics import last_eval, last_metrics, output_dir
 from jobgen.rundir.run import RunDir
 
 PROBE = "jobgen-probe"
@@ -66,9 +66,17 @@ def summary(run: RunDir, segments: list[dict[str, Any]], job: Optional[dict[str,
         "step": _number(last, "step"),
         "total_steps": _number(last, "total_steps"),
         "last_loss": _number(last, "loss"),
+        "last_eval": None if probe else _eval_of(last_eval(run.path, job)),
         "final_model": None if probe else final_model(run, job, segments),
         "probe": probe_result(run, segments) if probe else None,
     }
+
+
+def _eval_of(record: Optional[dict[str, Any]]) -> Optional[dict[str, float]]:
+    if record is None or _number(record, "eval_loss") is None:
+        return None
+    return {"step": _number(record, "step"), "loss": _number(record, "eval_loss"),
+            "perplexity": _number(record, "eval_perplexity")}
 
 
 def final_model(run: RunDir, job: dict[str, Any], segments: list[dict[str, Any]]) -> Optional[dict[str, str]]:
@@ -119,6 +127,10 @@ def format_lines(report: dict[str, Any]) -> list[str]:
         total = f"/{int(report['total_steps'])}" if report.get("total_steps") is not None else ""
         loss = f"loss {report['last_loss']:.4f} at " if report.get("last_loss") is not None else ""
         lines.append(f"last {loss}step {int(report['step'])}{total}")
+    evaluated = report.get("last_eval")
+    if evaluated and evaluated.get("step") is not None:
+        perplexity = f", perplexity {evaluated['perplexity']:.2f}" if evaluated.get("perplexity") is not None else ""
+        lines.append(f"last eval loss {evaluated['loss']:.4f}{perplexity} at step {int(evaluated['step'])}")
     if report.get("final_model"):
         final = report["final_model"]
         lines.append(f"final {final['kind']} ({final['method']}): {final['path']}")

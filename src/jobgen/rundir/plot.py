@@ -41,6 +41,7 @@ def plot_data(target: str) -> dict[str, Any]:
             "first_step": segment["first_step"], "last_step": segment["last_step"],
             "steps": [r["step"] for r in mine], "loss": [r.get("loss") for r in mine],
             "tokens_per_s": [r.get("tokens_per_s") for r in mine],
+            "eval": [[r["step"], r["eval_loss"]] for r in mine if isinstance(r.get("eval_loss"), (int, float))],
         })
     return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
 
@@ -79,6 +80,9 @@ def draw(data: dict[str, Any], output: Path) -> None:
         label = {"loss": "loss", "speed": "tokens/s"} if i == 0 else {"loss": None, "speed": None}
         curves.plot(segment["steps"], segment["loss"], color="tab:blue", label=label["loss"])
         speed.plot(segment["steps"], segment["tokens_per_s"], color="tab:orange", alpha=0.5, label=label["speed"])
+        if segment.get("eval"):  # the held-out loss, where the run evaluates
+            steps, losses = zip(*segment["eval"])
+            curves.plot(steps, losses, color="tab:green", marker="o", label="eval loss" if i == 0 else None)
         start = segment["first_step"] if segment["first_step"] is not None else (segment["steps"] or [0])[0]
         curves.axvline(start, color="gray", linestyle="--", linewidth=0.8)
         curves.annotate(f"segment {i + 1}", (start, 1), xycoords=("data", "axes fraction"), fontsize=8,

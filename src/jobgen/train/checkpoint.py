@@ -8,7 +8,8 @@ Layout of `OUTPUT_DIR/checkpoints/step-000123/`:
                             their offsets in each parameter: loads on any world size (reshard.py)
     rng/rank-00000.pt       python, numpy, torch (and CUDA) RNG states of each rank
     trainer_state.json      step, epoch and steps done in it, global batch, world size, config
-                            digest, the training section, the LR scheduler state
+                            digest, the training section, the LR scheduler state, the
+                            chat template's digest
     manifest.json           step, world size, config digest, every file with size and sha256
     COMPLETE                written last
 

@@ -2,10 +2,18 @@
 
 Reading and checking the file is jobgen.job.conversations' (the login node's checks use it too).
 
-Layout (the reference Qwen fine-tune's): `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per turn, with a
-system turn first ("You are a helpful assistant." unless the item gives one). Labels are -100
-everywhere except on assistant turns, where `<|im_start|>`, the content, `<|im_end|>` and the
-newline after it are learned (the role name is not). Sequences are cut to `max_length`.
+ChatTokenizer is the one place a conversation becomes (input_ids, labels), a pure function of the
+conversation, the tokenizer, `max_length` and its `chat_template` attribute (what
+`training.chat_template` resolved to; jobgen.train.chat_template). Labels are -100 except on what
+the model learns to say; sequences are cut to `max_length`.
+- A Jinja template (the tokenizer's own, or a file): the ids are apply_chat_template's, and the
+  learned tokens are the assistant's part as the template writes it (its content and end-of-turn);
+  system and user turns, the role headers and assistant messages of weight 0 are not learned. A conversation whose assistant part
+  cannot be found exactly is a UserError naming the model and what to set instead.
+- ChatML (the reference Qwen fine-tune's layout): `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per
+  turn, with a system turn first ("You are a helpful assistant." unless the item gives one); on
+  assistant turns `<|im_start|>`, the content, `<|im_end|>` and the newline after it are learned
+  (the role name is not).
 
 Order: the samples of every optimizer step are a function of (seed, epoch, step) and the global
 batch alone, never of the world size, so a run resumed on another number of ranks trains each
@@ -34,21 +42,31 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import Conversation
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation
+from jobgen.train.chat_template import CHATML, NotExact, has_generation_marks, marked_spans, rendered_spans, resolve_template
 
 IGNORE_INDEX = -100
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
 class ChatTokenizer:
-    """Turns a Conversation into (input_ids, labels) with the layout in the module docstring."""
+    """Turns a Conversation into (input_ids, labels) with the layout in the module docstring.
 
-    def __init__(self, tokenizer: Any, max_length: int) -> None:
+    `chat_template` is what the layout resolved to: chat_template.CHATML, or the Jinja text that
+    renders every conversation (a cache of the results is valid while it, the tokenizer and
+    `max_length` are unchanged). `template_name` says where it came from, for log lines."""
+
+    def __init__(self, tokenizer: Any, max_length: int, chat_template: Optional[str] = None, model: str = "the model") -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self.im_start = self._marker(IM_START)
-        self.im_end = self._marker(IM_END)
-        self.newline = self._encode("\n")
+        self.model = model
+        self.chat_template, self.template_name = resolve_template(tokenizer, chat_template, model)
+        self.generation_marks = self.chat_template != CHATML and has_generation_marks(self.chat_template)
+        self.setting = chat_template
+        if self.chat_template == CHATML:
+            self.im_start = self._marker(IM_START)
+            self.im_end = self._marker(IM_END)
+            self.newline = self._encode("\n")
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -60,18 +78,56 @@ class ChatTokenizer:
         return self._encode(text)  # a tokenizer without chat tokens spells the marker out
 
     def __call__(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        ids, labels = self.uncut(conversation)
+        return ids[: self.max_length], labels[: self.max_length]
+
+    def uncut(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) before the cut to max_length."""
+        if self.chat_template == CHATML:
+            return self._chatml(conversation)
+        ids, learned = self._templated(conversation)
+        return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
+
+    def _chatml(self, conversation: Conversation) -> tuple[list[int], list[int]]:
         ids: list[int] = []
         labels: list[int] = []
-        for role, text in (("system", conversation.system),) + conversation.turns:
+        system = DEFAULT_SYSTEM_PROMPT if conversation.system is None else conversation.system
+        for position, (role, text) in enumerate((("system", system),) + conversation.turns):
             header = self._encode(role + "\n")
             content = self._encode(text)
             turn = self.im_start + header + content + self.im_end + self.newline
             ids += turn
-            if role == "assistant":
+            if role == "assistant" and position - 1 not in conversation.unlearned:  # turns follow the system turn
                 labels += self.im_start + [IGNORE_INDEX] * len(header) + content + self.im_end + self.newline
             else:
                 labels += [IGNORE_INDEX] * len(turn)
-        return ids[: self.max_length], labels[: self.max_length]
+        return ids, labels
+
+    def _templated(self, conversation: Conversation) -> tuple[list[int], list[bool]]:
+        messages = ([{"role": "system", "content": conversation.system}] if conversation.system is not None else [])
+        skip = {index + len(messages) for index in conversation.unlearned}  # weight-0 messages
+        messages += [{"role": role, "content": text} for role, text in conversation.turns]
+        where = f"conversation {conversation.id!r}"
+        try:
+            if self.generation_marks:
+                return marked_spans(self.tokenizer, self.chat_template, messages, skip)
+            return rendered_spans(self.tokenizer, self.chat_template, messages, skip)
+        except NotExact as exc:
+            raise UserError(
+                f"training.chat_template: {where}: the assistant's part cannot be found exactly in "
+                f"{self.template_name} ({exc}); set training.chat_template: chatml, or a Jinja file whose assistant "
+                "part is marked with {% generation %}"
+            ) from None
+        except Exception as exc:  # the template's own raise_exception, or a template error
+            raise UserError(
+                f"training.chat_template: {where}: {self.template_name} refuses it: {_first_line(exc)}"
+                f"{'' if self.setting == CHATML else '; set training.chat_template: chatml to train it in ChatML'}"
+            ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 class TokenizedDataset:
@@ -79,9 +135,11 @@ class TokenizedDataset:
 
     def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
         self.ids = [c.id for c in conversations]
-        encoded = [chat(c) for c in conversations]
-        self.input_ids = [e[0] for e in encoded]
-        self.labels = [e[1] for e in encoded]
+        uncut = [chat.uncut(c) for c in conversations]
+        self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
+        self.labels = [labels[: chat.max_length] for _, labels in uncut]
+        # Conversations longer than max_length: the trainer says how many were cut.
+        self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
         # Tokens each sample is trained on: labels after the first (position t predicts t+1; a
         # packed row masks each sample's first label, which the unpacked shift drops too).
         self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]

@@ -1,11 +1,15 @@
 """The DeepSpeed configuration a job runs with.
 
 The bundled `configs/deepspeed/zero2.json` and `zero3.json` (installed as `jobgen/configs/...`)
-hold "auto" wherever the job decides: batch sizes, gradient accumulation, precision, learning rate
-and weight decay. `training.deepspeed_config` replaces the bundled file; its values must then
-either be "auto", be absent, or agree with the job. No config may carry a `scheduler` section:
-the job's `lr_schedule` is the one that runs (the reference fine-tune's WarmupLR silently
-overrode the user's cosine schedule; we refuse instead).
+hold "auto" wherever the job decides: batch sizes, gradient accumulation, precision, learning rate,
+weight decay, Adam's betas and epsilon. `training.deepspeed_config` replaces the bundled file, as
+Hugging Face users write one (e.g. the Qwen guide's ds_config_zero2.json, unedited): its values
+must be "auto" (filled as the Hugging Face Trainer fills them), absent, or agree with the job,
+and every one that does not is one line of one error. The job's `lr_schedule` is the one that
+runs: a `scheduler` section of "auto" values gives way to it, and one with values of its own is
+refused (the reference fine-tune's WarmupLR silently overrode the user's cosine schedule). An
+optimizer DeepSpeed would compile an op for as the job starts is said in one line
+(compiled_op_notice), by `validate` and in the start-up log.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from jobgen.job.models import Training
+from jobgen.job.models import Job, Training
 from jobgen.errors import UserError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,61 +53,159 @@ def _read(path: str) -> dict:
 
 
 SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+# What the Hugging Face Trainer fills a "gradient_clipping": "auto" with (its max_grad_norm default).
+DEFAULT_GRADIENT_CLIPPING = 1.0
+# Optimizers DeepSpeed builds a compiled op for (at start-up, unless built at install): by type, the
+# op without and with the optimizer offloaded to the CPU. Adam and AdamW skip it with torch_adam.
+COMPILED_OPTIMIZERS = {
+    "adam": ("fused_adam", "cpu_adam"), "adamw": ("fused_adam", "cpu_adam"), "lamb": ("fused_lamb", "fused_lamb"),
+    "lion": ("fused_lion", "cpu_lion"), "adagrad": (None, "cpu_adagrad"), "onebitadam": ("fused_adam", "fused_adam"),
+    "zerooneadam": ("fused_adam", "fused_adam"), "onebitlamb": ("fused_lamb", "fused_lamb"),
+}
 
 
 def build_config(training: Training, world_size: int, precision: str, user_path: str | None,
-                 micro: int | None = None, accumulation: int | None = None) -> dict:
+                 micro: int | None = None, accumulation: int | None = None, hidden_size: int | None = None) -> dict:
     """The resolved config dict for `deepspeed.initialize`; `precision` is what actually runs;
-    `micro` x `accumulation` x `world_size` is the global batch (default: the job's fields)."""
+    `micro` x `accumulation` x `world_size` is the global batch (default: the job's fields).
+    'auto' is filled as the Hugging Face Trainer fills it (the ZeRO bucket sizes from the model's
+    `hidden_size`); a value that disagrees with the job, or an 'auto' nothing fills, is one line
+    each of one UserError."""
     path = user_path or bundled_config_path(training.zero_stage)
     config = copy.deepcopy(_read(path))
-    if "scheduler" in config:
-        raise UserError(
-            f"training.deepspeed_config: {path} has a 'scheduler' section, which would override "
-            f"training.lr_schedule ({training.lr_schedule}); remove it and set lr_schedule/warmup_steps in the job"
-        )
+    problems: list[str] = []
+    _scheduler(config, training, path, problems)
     micro = micro or training.per_device_batch_size
     accumulation = accumulation or training.gradient_accumulation
-    _fill(config, ["train_micro_batch_size_per_gpu"], micro, path)
-    _fill(config, ["gradient_accumulation_steps"], accumulation, path)
-    _fill(config, ["train_batch_size"], micro * accumulation * world_size, path)
-    _fill(config, ["bf16", "enabled"], precision == "bf16", path)
-    _fill(config, ["fp16", "enabled"], precision == "fp16", path)
-    _fill(config, ["zero_optimization", "stage"], training.zero_stage, path)
-    config.setdefault(
-        "optimizer", {"type": "AdamW", "params": {"betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True}}
-    )
-    _fill(config, ["optimizer", "params", "lr"], training.learning_rate, path)
-    _fill(config, ["optimizer", "params", "weight_decay"], training.weight_decay, path)
-    leftover = _find_auto(config)
-    if leftover:
-        raise UserError(f"training.deepspeed_config: {path} has 'auto' at {leftover}, which jobgen does not fill")
+    fill = _Filler(config, path, problems)
+    fill(["train_micro_batch_size_per_gpu"], micro, "training.per_device_batch_size")
+    fill(["gradient_accumulation_steps"], accumulation, "training.gradient_accumulation")
+    fill(["train_batch_size"], micro * accumulation * world_size, "training.global_batch_size")
+    fill(["bf16", "enabled"], precision == "bf16", "training.precision")
+    fill(["fp16", "enabled"], precision == "fp16", "training.precision")
+    fill(["zero_optimization", "stage"], training.zero_stage, "training.zero_stage")
+    if config.get("gradient_clipping") == "auto":
+        config["gradient_clipping"] = DEFAULT_GRADIENT_CLIPPING
+    config.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+    fill(["optimizer", "params", "lr"], training.learning_rate, "training.learning_rate")
+    fill(["optimizer", "params", "weight_decay"], training.weight_decay, "training.weight_decay")
+    fill(["optimizer", "params", "betas"], [training.adam_beta1, training.adam_beta2], "training.adam_beta1/adam_beta2")
+    fill(["optimizer", "params", "eps"], training.adam_epsilon, "training.adam_epsilon")
+    zero = config.get("zero_optimization")
+    if hidden_size and isinstance(zero, dict):  # transformers' integrations.deepspeed fills these so
+        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+            if zero.get(key) == "auto":
+                zero[key] = value
+    problems += [f"training.deepspeed_config: {path} has 'auto' at {where}, which jobgen does not fill; give a value"
+                 for where in _find_autos(config)]
+    if problems:
+        raise UserError("\n".join(problems))
     return config
 
 
-def _fill(config: dict, keys: list[str], value: Any, path: str) -> None:
-    node = config
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    current = node.get(keys[-1], "auto")
-    if current == "auto":
-        node[keys[-1]] = value
-    elif current != value:
-        name = ".".join(keys)
-        raise UserError(
-            f"DeepSpeed config {path}: {name} is {current!r} but the job says {value!r}; "
-            f"set it to \"auto\" (or remove it) so the job decides"
-        )
+def _scheduler(config: dict, training: Training, path: str, problems: list[str]) -> None:
+    """A 'scheduler' section of 'auto' values (as the Hugging Face examples write it) gives way to
+    the job's lr_schedule; one with values of its own would override it (the reference fine-tune's
+    WarmupLR silently replaced the user's cosine schedule), so it is refused."""
+    section = config.get("scheduler")
+    if section is None:
+        return
+    params = section.get("params") if isinstance(section, dict) else None
+    del config["scheduler"]  # either way, said once here and not again for its 'auto' values
+    if isinstance(params, dict) and params and all(value == "auto" for value in params.values()):
+        return
+    kind = section.get("type", "?") if isinstance(section, dict) else "?"
+    problems.append(
+        f"training.deepspeed_config: {path} has a 'scheduler' section ({kind}) with values of its own, which would "
+        f"override training.lr_schedule ({training.lr_schedule}); remove it (or set its params to \"auto\") and set "
+        "lr_schedule and warmup_steps or warmup_ratio in the job"
+    )
 
 
-def _find_auto(node: Any, prefix: str = "") -> str | None:
+class _Filler:
+    """Fills an 'auto' (or absent) value from the job; a value that disagrees is a problem line."""
+
+    def __init__(self, config: dict, path: str, problems: list[str]) -> None:
+        self.config, self.path, self.problems = config, path, problems
+
+    def __call__(self, keys: list[str], value: Any, field: str) -> None:
+        node = self.config
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        current = node.get(keys[-1], "auto")
+        if current == "auto":
+            node[keys[-1]] = value
+        elif not _same(current, value):
+            self.problems.append(
+                f"training.deepspeed_config: {self.path}: {'.'.join(keys)} is {current!r} but the job says {value!r} "
+                f"({field}); set it to \"auto\" (or remove it) so the job decides, or change {field}"
+            )
+
+
+def _same(current: Any, value: Any) -> bool:
+    if isinstance(value, list) and isinstance(current, (list, tuple)):
+        return len(current) == len(value) and all(_same(c, v) for c, v in zip(current, value))
+    if isinstance(value, float) and isinstance(current, (int, float)) and not isinstance(current, bool):
+        return abs(current - value) <= 1e-12 * max(1.0, abs(value))
+    return current == value
+
+
+def _find_autos(node: Any, prefix: str = "") -> list[str]:
     if node == "auto":
-        return prefix or "(top level)"
+        return [prefix or "(top level)"]
     if isinstance(node, dict):
-        for key, value in node.items():
-            found = _find_auto(value, f"{prefix}.{key}" if prefix else key)
-            if found:
-                return found
+        return [where for key, value in node.items() for where in _find_autos(value, f"{prefix}.{key}" if prefix else key)]
+    return []
+
+
+def compiled_op_notice(config: dict, path: str) -> str | None:
+    """One line when DeepSpeed would compile an optimizer op as the job starts, else None."""
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return None
+    kind = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    if kind not in COMPILED_OPTIMIZERS or (kind in ("adam", "adamw") and params.get("torch_adam") is True):
+        return None
+    op = COMPILED_OPTIMIZERS[kind][1 if offloaded else 0]
+    if op is None:
+        return None
+    fix = ('add "torch_adam": true to its params to use torch\'s own' if kind in ("adam", "adamw")
+           else "build it at install (DS_BUILD_OPS=1) to skip that")
+    return (f"training.deepspeed_config: {path}: optimizer {optimizer.get('type')} makes DeepSpeed compile its {op} op "
+            f"when the job starts (a minute or more, and a CUDA compiler on GPU nodes) unless it was built at install; {fix}")
+
+
+def check_job_deepspeed(job: Job, base: str) -> list[str]:
+    """`validate`'s reading of training.deepspeed_config, relative to `base`: raises UserError with
+    every problem (a missing file, each conflict with the job), returns notices (a compiled op)."""
+    from jobgen.job.model_config import find_model_config
+    from jobgen.train.data import split_global_batch
+
+    training = job.training
+    if not training.deepspeed_config:
+        return []
+    path = os.path.join(base, training.deepspeed_config)
+    world = min(job.world_sizes)
+    try:
+        micro, accumulation = split_global_batch(job.global_batch, world, training.per_device_batch_size, job.procs_per_node)
+    except UserError:  # said by validate's own batch check
+        micro, accumulation = training.per_device_batch_size, training.gradient_accumulation
+    model = find_model_config(os.path.join(base, training.model)) or find_model_config(training.model)
+    config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}))
+    notice = compiled_op_notice(config, path)
+    return [notice] if notice else []
+
+
+def hidden_size_of(model_config: dict) -> int | None:
+    """The model's hidden size, for 'auto' ZeRO bucket sizes (a multimodal config nests it)."""
+    for config in (model_config, model_config.get("text_config") or {}):
+        if isinstance(config, dict) and isinstance(config.get("hidden_size"), int):
+            return config["hidden_size"]
     return None
 
 

@@ -2,7 +2,8 @@
 
 full: every parameter trains. lora: a peft LoRA adapter on `training.lora.target_modules`.
 qlora: the base model loaded in 4-bit NF4 by bitsandbytes, `prepare_model_for_kbit_training`,
-then the same LoRA adapter. Except under ZeRO-3 (which partitions while loading), `device_map`
+then the same LoRA adapter; a checkpoint saved quantized (GPTQ, AWQ) loads with its own
+quantization instead, and the adapter trains on its quantized layers. Except under ZeRO-3 (which partitions while loading), `device_map`
 loads the weights straight onto this rank's device: without it every rank first builds the whole
 model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU node).
 """
@@ -66,11 +67,11 @@ def use_hub_cache(model: str, revision: str) -> Optional[hub_cache.CachedModel]:
     return cached
 
 
-def load_tokenizer(model: str, revision: str = hub_cache.DEFAULT_REVISION) -> Any:
+def load_tokenizer(model: str, revision: str = hub_cache.DEFAULT_REVISION, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
+        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad reference
         raise UserError(_load_error("a tokenizer from", model, revision, exc)) from None
     if tokenizer.pad_token_id is None:
@@ -98,8 +99,9 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
 
         _zero3_config = HfDeepSpeedConfig(ds_config)
     dtype = torch_dtype(precision)
-    kwargs: dict = {"dtype": dtype}
-    if training.method == "qlora":
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": training.trust_remote_code}
+    own_quantization = prequantized(training) if training.method == "qlora" else None
+    if training.method == "qlora" and own_quantization is None:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -116,14 +118,19 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
         raise UserError(_load_error("", training.model, training.model_revision, exc)) from None
     model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
     if training.method == "qlora":
-        import bitsandbytes
         from peft import prepare_model_for_kbit_training
 
-        quantized = sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules())
-        if quantized == 0:
-            raise RuntimeError(f"{training.model}: bitsandbytes quantized no layer to 4 bits")
-        log.info("qlora: %d linear layers in 4-bit NF4", quantized)
-        _copy_out_of_weight_files(model, bitsandbytes.nn.Params4bit)
+        if own_quantization is not None:
+            # A GPTQ or AWQ checkpoint trains its adapters on its own quantized layers.
+            log.info("qlora: LoRA adapters on the checkpoint's own %s quantization", own_quantization)
+        else:
+            import bitsandbytes
+
+            quantized = sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules())
+            if quantized == 0:
+                raise RuntimeError(f"{training.model}: bitsandbytes quantized no layer to 4 bits")
+            log.info("qlora: %d linear layers in 4-bit NF4", quantized)
+            _copy_out_of_weight_files(model, bitsandbytes.nn.Params4bit)
 
         model = prepare_model_for_kbit_training(
             model,
@@ -135,6 +142,20 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     if training.method in ("lora", "qlora"):
         model = _add_lora(model, training)
     return model
+
+
+def prequantized(training: Training) -> str | None:
+    """The quant_method of a checkpoint saved quantized (GPTQ, AWQ, bitsandbytes), else None: such
+    a model loads with its own quantization, never with bitsandbytes on top."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(training.model, trust_remote_code=training.trust_remote_code)
+    except Exception as exc:
+        raise UserError(f"training.model: could not read the config of {training.model!r}: {_first_line(exc)}") from None
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
 
 
 def _copy_out_of_weight_files(model: Any, quantized: type) -> None:
@@ -167,11 +188,19 @@ def _add_lora(model: Any, training: Training) -> Any:
             f"training.lora.target_modules: {missing} not found in {training.model!r}; "
             f"its linear layers include {sorted(_linear_names(model))}"
         )
+    missing = [m for m in training.lora.modules_to_save if m not in present]
+    if missing:
+        raise UserError(
+            f"training.lora.modules_to_save: {missing} not found in {training.model!r}; "
+            f"its modules include {sorted(present - {''})[:40]}"
+        )
     config = LoraConfig(
         r=training.lora.r,
         lora_alpha=training.lora.alpha,
         lora_dropout=training.lora.dropout,
         target_modules=list(training.lora.target_modules),
+        modules_to_save=list(training.lora.modules_to_save) or None,
+        bias=training.lora.bias,
         task_type="CAUSAL_LM",
     )
     # peft would upcast bf16/fp16 adapters to fp32. DeepSpeed casts them back to the training

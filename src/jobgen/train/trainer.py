@@ -32,15 +32,18 @@ from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
 from jobgen.job.conversations import Conversation, load_conversations
+from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
 from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
+from jobgen.train.evaluation import Evaluation, split_eval
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
-from jobgen.train.dsconfig import build_config, digest, without_split
+from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
 from jobgen.rundir.files import FINAL_MODEL
 from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
+from jobgen.job.model_config import code_files_of, find_model_config, model_config_problems
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer, use_hub_cache
 from jobgen.train.stop import StopRequest, signal_name
@@ -59,16 +62,41 @@ RESUME_SAFE_FIELDS = {
     # format the file is not in is refused; only an item with two formats' fields, which auto
     # refuses, reads differently as each), and checkpoints made before the field still resume.
     "data_format",
+    # Checked on its own, by the layout it resolves to (check_chat_template): unset and `tokenizer`
+    # are the same layout for a model whose tokenizer has a template.
+    "chat_template",
+    # Which code builds the model, not what it computes; a checkpoint of either resumes with either.
+    "trust_remote_code",
+    # What is measured, not what trains (eval_fraction, which takes data from training, is not here).
+    "eval_data", "eval_interval",
 }
 
 
-def resume_checked_fields(training: Training) -> dict[str, Any]:
-    """The settings a checkpoint resumes only with. model_revision at its default is left out, so
-    checkpoints made before the field still resume."""
-    fields = {k: v for k, v in training.model_dump().items() if k not in RESUME_SAFE_FIELDS}
-    if fields.get("model_revision") == "main":
-        del fields["model_revision"]
-    return fields
+# Fields added after checkpoints were first written, with the value every earlier run trained
+# with: left out of a checkpoint's settings at that value, so those checkpoints still resume.
+ADDED_AT = {
+    "model_revision": "main", "warmup_ratio": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+    "lora.modules_to_save": [], "lora.bias": "none", "eval_fraction": 0.0,
+}
+
+
+def resume_settings(training: Training) -> dict:
+    """The settings a checkpoint must share with the run that resumes it."""
+    settings = {k: v for k, v in training.model_dump().items() if k not in RESUME_SAFE_FIELDS}
+    for name, value in ADDED_AT.items():
+        *parents, key = name.split(".")
+        node = settings
+        for parent in parents:
+            node = node[parent]
+        if node.get(key) == value:
+            del node[key]
+    return settings
+
+
+def model_hidden_size(model: str) -> Optional[int]:
+    """For a DeepSpeed config's 'auto' ZeRO bucket sizes; None where the config is not here."""
+    config = find_model_config(model)
+    return hidden_size_of(config.data) if config else None
 
 
 def debug_step_delay() -> float:
@@ -93,6 +121,7 @@ class Prepared:
     precision: str
     placement: Placement
     conversations: list[Conversation]
+    eval_conversations: list[Conversation]
     ds_config: dict
     config_digest: str
     step_delay: float
@@ -110,6 +139,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     training = job.training
     model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
     resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
+    if resolved.chat_template not in (None, CHATML, TOKENIZER):
+        resolved = resolved.model_copy(update={"chat_template": os.path.abspath(resolved.chat_template)})
     if resolved.deepspeed_config:
         resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
     output_dir = training.output_dir
@@ -117,16 +148,26 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
     use_hub_cache(resolved.model, resolved.model_revision)  # before anything reads the hub's settings
+    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code)
+    if problems:
+        raise UserError("\n".join(problems))
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
     conversations = load_conversations(resolved.data, training.data_format)
+    eval_conversations: list[Conversation] = []
+    if resolved.eval_data:
+        resolved = resolved.model_copy(update={"eval_data": os.path.abspath(resolved.eval_data)})
+        eval_conversations = load_conversations(resolved.eval_data, training.data_format)
+    elif training.eval_fraction:
+        conversations, eval_conversations = split_eval(conversations, training.eval_fraction, training.seed)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
     # checkpoint's, when resuming) and how this world size splits it.
-    ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config)
-    state_fields = resume_checked_fields(resolved)
+    ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config,
+                             hidden_size=model_hidden_size(resolved.model))
+    state_fields = resume_settings(resolved)
     return Prepared(
         job=job,
         training=resolved,
@@ -135,6 +176,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         precision=precision,
         placement=placement,
         conversations=conversations,
+        eval_conversations=eval_conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
         step_delay=debug_step_delay(),
@@ -184,6 +226,24 @@ def check_schedule_total(found_state: dict, factor: LRFactor, checkpoint_name: s
         )
 
 
+def template_digest(template: str) -> str:
+    return digest(template)
+
+
+def check_chat_template(found_state: dict, chat: ChatTokenizer, checkpoint_name: str) -> None:
+    """A resumed run must train in the layout its checkpoint trained in. Checkpoints written before
+    the chat template was recorded were all trained in ChatML."""
+    saved = found_state.get("chat_template", template_digest(CHATML))
+    if saved == template_digest(chat.chat_template):
+        return
+    was = "ChatML" if saved == template_digest(CHATML) else "another chat template"
+    fix = "set training.chat_template: chatml" if was == "ChatML" else "restore the template it was trained with"
+    raise UserError(
+        f"training.chat_template: checkpoint {checkpoint_name} was trained in {was}, this job trains in "
+        f"{chat.template_name}; {fix} to resume, or use a new training.output_dir to start in the new layout"
+    )
+
+
 class Trainer:
     def __init__(self, prepared: Prepared, info: RankInfo, stop: StopRequest, report: ExitReport) -> None:
         self.p, self.info, self.stop, self.report = prepared, info, stop, report
@@ -230,8 +290,12 @@ class Trainer:
                 self.global_batch, dist.world_size, t.per_device_batch_size, self.p.job.procs_per_node
             )
             self.p.ds_config = build_config(
-                t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation
+                t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation,
+                model_hidden_size(t.model),
             )
+            notice = compiled_op_notice(self.p.ds_config, t.deepspeed_config or "the bundled config")
+            if notice and dist.is_main:
+                log.warning("%s", notice)
         except UserError as exc:
             error = exc
         dist.raise_together(error)
@@ -244,9 +308,24 @@ class Trainer:
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
-            tokenizer = self.tokenizer = load_tokenizer(t.model, t.model_revision)
-            chat = ChatTokenizer(tokenizer, t.max_length)
+            if dist.is_main and t.trust_remote_code:
+                log.info("training.trust_remote_code: running the code that %s ships: %s", self.p.job.training.model,
+                         ", ".join(code_files_of(t.model)) or "none (transformers builds it)")
+            tokenizer = self.tokenizer = load_tokenizer(t.model, t.model_revision, trust_remote_code=t.trust_remote_code)
+            chat = self.chat = ChatTokenizer(tokenizer, t.max_length, t.chat_template, self.p.job.training.model)
+            if found is not None:
+                check_chat_template(found.state, chat, os.path.basename(found.path))
+            if dist.is_main:
+                log.info("chat template: %s", chat.template_name)
             dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
+            if dataset.cut_lengths and dist.is_main:
+                log.warning("%d of %d conversations are longer than training.max_length (%d tokens) and are cut to it; "
+                            "the longest has %d tokens", len(dataset.cut_lengths), len(dataset), t.max_length,
+                            max(dataset.cut_lengths))
+            self.evaluation = None
+            if self.p.eval_conversations:
+                held_out = TokenizedDataset(self.p.eval_conversations, chat, tokenizer.pad_token_id)
+                self.evaluation = Evaluation(held_out, dist.world_size, dist.rank, t.per_device_batch_size)
             batches = MicroBatches.build(
                 dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
                 t.group_by_length, t.max_length if t.packing else None,
@@ -263,7 +342,7 @@ class Trainer:
         order = batches.order
         steps_per_epoch = order.steps_per_epoch
         total_steps = total_steps_of(t, steps_per_epoch)
-        factor = LRFactor(t.lr_schedule, t.warmup_steps, total_steps)
+        factor = LRFactor(t.lr_schedule, t.warmup_of(total_steps), total_steps)
         if found is not None:
             try:
                 check_schedule_total(found.state, factor, os.path.basename(found.path))
@@ -322,7 +401,7 @@ class Trainer:
 
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
-        now = resume_checked_fields(self.t)
+        now = resume_settings(self.t)
         return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
 
     # ----------------------------------------------------------------- loop
@@ -385,7 +464,10 @@ class Trainer:
                 self.report.last_step = step
                 if step == first_step + 1:
                     self._record_startup(first_step)
-                if step % t.logging_interval == 0 or step == total_steps or stop:
+                evaluated = {}
+                if self.evaluation and not stop and (step % (t.eval_interval or t.save_interval) == 0 or step == total_steps):
+                    evaluated = self._evaluate(engine, step)
+                if step % t.logging_interval == 0 or step == total_steps or stop or evaluated:
                     metrics.write({
                         "step": step,
                         "time": time.time(),
@@ -400,6 +482,7 @@ class Trainer:
                         "peak_memory_mb": max(row[5] for row in rows),
                         **({"peak_reserved_mb": max(row[6] for row in rows), "host_peak_mb": max(row[7] for row in rows)}
                            if dist.cuda else {}),
+                        **evaluated,
                     })
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps:
@@ -443,6 +526,17 @@ class Trainer:
     def _signal_text(self) -> str:
         return self.report.signal or "a signal"
 
+    def _evaluate(self, engine: Any, step: int) -> dict:
+        """Collective: the eval set's loss (jobgen.train.evaluation), logged by rank 0."""
+        started = time.perf_counter()
+        result = self.evaluation.run(engine, self.dist, _token_loss_sum,
+                                     lambda round_: self.beat.beat(step, f"evaluating {round_}"))
+        self.beat.beat(step, "training")
+        if self.dist.is_main:
+            log.info("eval at step %d: loss %.4f, perplexity %.2f over %d tokens (%.1f s)", step, result["eval_loss"],
+                     result["eval_perplexity"], result["eval_tokens"], time.perf_counter() - started)
+        return result
+
     # -------------------------------------------------------------- outputs
     def _save_checkpoint(self, step: int, order: BatchOrder, wait: bool = True) -> None:
         """Collective. With training.async_save, training resumes after the snapshot unless `wait`."""
@@ -454,8 +548,9 @@ class Trainer:
             "global_batch": order.global_batch,
             "split": {"micro_batch": self.micro, "accumulation": self.accumulation},
             "config_digest": self.p.config_digest,
-            "training": resume_checked_fields(self.t),
+            "training": resume_settings(self.t),
             "lr_scheduler": self.scheduler.state_dict(),
+            "chat_template": template_digest(self.chat.chat_template),
         }
         started = time.perf_counter()
         self.beat.beat(step, "saving")
@@ -516,6 +611,8 @@ class Trainer:
         if dist.is_main:
             shutil.rmtree(temp, ignore_errors=True)
             engine.module.save_pretrained(temp, state_dict=state_dict)
+            # The layout it was trained in, so that inference writes conversations the same way.
+            self.tokenizer.chat_template = CHATML_JINJA if self.chat.chat_template == CHATML else self.chat.chat_template
             self.tokenizer.save_pretrained(temp)
             if os.path.exists(final):
                 old = os.path.join(self.p.output_dir, f".tmp-old-{FINAL_MODEL}")

@@ -1,0 +1,71 @@
+"""`jobgen data JOB.yaml --show N`: the first N conversations as the model will see them.
+
+What a user checks before spending GPU hours: the exact text of each sample after the chat
+template, with the tokens it learns from marked, from the trainer's own tokenization
+(jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
+object a line. Reads the tokenizer (not the weights), so it needs transformers where it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from jobgen.cli.options import config_argument, resolve, set_option, site_option
+
+LEARNED_START, LEARNED_END = "\u27e6", "\u27e7"  # ⟦ ⟧: rare in text, so a marked span is unmistakable
+
+
+@click.command()
+@config_argument
+@site_option
+@set_option
+@click.option("--show", "count", type=click.IntRange(min=1), default=3, show_default=True, help="How many samples to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print each sample's input_ids and labels as one JSON object a line.")
+def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: int, as_json: bool) -> None:
+    """Show the first samples of CONFIG's data as the model will see them, learned tokens marked."""
+    from jobgen.job.conversations import load_conversations
+    from jobgen.job.preflight import working_directory
+    from jobgen.train.chat_template import CHATML, TOKENIZER
+    from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
+    from jobgen.train.modeling import load_tokenizer
+
+    job = resolve(config, site, overrides).job
+    training, base = job.training, working_directory(job)  # paths as the nodes resolve them
+    local = os.path.join(base, training.model)
+    model = local if os.path.exists(local) else training.model  # else a hub name, as the trainer reads it
+    template = training.chat_template
+    if template not in (None, CHATML, TOKENIZER):
+        template = os.path.join(base, template)
+    conversations = load_conversations(os.path.join(base, training.data), training.data_format)[:count]
+    tokenizer = load_tokenizer(model, training.model_revision, trust_remote_code=training.trust_remote_code)
+    chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
+    if not as_json:
+        click.echo(f"# {len(conversations)} sample(s) in {chat.template_name}; learned tokens are between "
+                   f"{LEARNED_START} and {LEARNED_END}")
+    for conversation in conversations:
+        whole, _ = chat.uncut(conversation)
+        ids, labels = chat(conversation)
+        if as_json:
+            click.echo(json.dumps({"id": conversation.id, "input_ids": ids, "labels": labels}))
+            continue
+        learned = [label != IGNORE_INDEX for label in labels]
+        cut = f" (cut from {len(whole)} to max_length)" if len(whole) > len(ids) else ""
+        click.echo(f"# sample {conversation.id!r}: {len(ids)} tokens{cut}, {sum(learned)} learned")
+        click.echo(marked_text(chat.tokenizer, ids, learned))
+
+
+def marked_text(tokenizer, ids: list[int], learned: list[bool]) -> str:
+    """The decoded ids, each run of learned tokens between the markers."""
+    parts: list[str] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or learned[end] != learned[start]:
+            text = tokenizer.decode(ids[start:end])
+            parts.append(f"{LEARNED_START}{text}{LEARNED_END}" if learned[start] else text)
+            start = end
+    return "".join(parts)

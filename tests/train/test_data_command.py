@@ -1,0 +1,58 @@
+"""`jobgen data JOB.yaml --show N`: samples as the model sees them, learned tokens marked, and
+`--json` their ids and labels, from the trainer's own tokenization."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from jobgen.job.conversations import load_conversations
+from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
+from jobgen.train.modeling import load_tokenizer
+from tests.helpers import jobgen
+from tests.train.published_templates import QWEN25
+
+
+def _job(tmp_path, tiny, **training):
+    job = {"name": "show", "launch": {"procs_per_node": 1},
+           "training": {"model": str(tiny / "model"), "data": str(tiny / "data.json"), "max_length": 48, **training}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_show_marks_what_is_learned_in_chatml(tmp_path, tiny):
+    result = jobgen("data", str(_job(tmp_path, tiny)), "--show", "2", "--site", "none")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "# 2 sample(s) in ChatML (the tokenizer has no chat template); learned tokens are between ⟦ and ⟧"
+    first = load_conversations(str(tiny / "data.json"))[0]
+    answer = first.turns[1][1]
+    assert f"⟦<|im_start|>⟧assistant\n⟦{answer}<|im_end|>\n⟧" in result.stdout
+    assert "<|im_start|>user\n" + first.turns[0][1] + "<|im_end|>\n" in result.stdout  # not marked
+    assert sum(line.startswith("# sample ") for line in lines) == 2
+
+
+def test_json_is_the_trainers_ids_and_labels_in_the_models_template(tmp_path, tiny):
+    template = tmp_path / "qwen2.5.jinja"
+    template.write_text(QWEN25)
+    result = jobgen("data", str(_job(tmp_path, tiny, chat_template=str(template), max_length=256)), "--show", "3", "--json",
+                    "--site", "none")
+    assert result.returncode == 0, result.stderr
+    samples = [json.loads(line) for line in result.stdout.splitlines()]
+    tokenizer = load_tokenizer(str(tiny / "model"))
+    chat = ChatTokenizer(tokenizer, 256, str(template))
+    conversations = load_conversations(str(tiny / "data.json"))[:3]
+    assert [s["id"] for s in samples] == [c.id for c in conversations]
+    for sample, conversation in zip(samples, conversations):
+        ids, labels = chat(conversation)
+        assert (sample["input_ids"], sample["labels"]) == (ids, labels)
+        assert tokenizer.decode(ids).startswith("<|im_start|>system\n")
+        assert any(label != IGNORE_INDEX for label in labels)
+
+
+def test_a_cut_sample_says_so(tmp_path, tiny):
+    result = jobgen("data", str(_job(tmp_path, tiny, max_length=16)), "--show", "1", "--site", "none")
+    assert result.returncode == 0, result.stderr
+    assert "16 tokens (cut from" in result.stdout and "to max_length)" in result.stdout
