@@ -19,7 +19,7 @@ from tests.helpers import jobgen, shell_findings
 @pytest.fixture
 def job_file(tmp_path: Path) -> Path:
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "data.json").write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]')
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({
