@@ -7,6 +7,7 @@ import sys
 import click
 
 from jobgen.cli import job, runs
+from jobgen.cli.prepare import prepare
 from jobgen.cli.sites import sites
 from jobgen.cli.startup import skip_startup_costs
 from jobgen.cli.templates import templates
@@ -42,7 +43,7 @@ def main() -> None:
     """
 
 
-for command in (job.render, job.validate, job.schema, job.submit, runs.runs, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
+for command in (job.render, job.validate, job.schema, job.submit, prepare, runs.runs, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
     main.add_command(command)
 
 if __name__ == "__main__":

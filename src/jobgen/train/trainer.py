@@ -31,8 +31,7 @@ from typing import Any, Optional
 from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
-from jobgen.job.conversations import Conversation, load_conversations
-from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
+from jobgen.train.data import BatchOrder, MicroBatches, split_global_batch
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, digest, without_split
 from jobgen.errors import UserError
@@ -44,6 +43,7 @@ from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
 from jobgen.train.stop import StopRequest, signal_name
+from jobgen.train.store import check_data_path, ensure_store
 
 log = logging.getLogger("jobgen.train")
 
@@ -54,7 +54,7 @@ log = logging.getLogger("jobgen.train")
 RESUME_SAFE_FIELDS = {
     "per_device_batch_size", "gradient_accumulation", "global_batch_size",
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
-    "output_dir", "step_seconds_estimate", "async_save",
+    "output_dir", "step_seconds_estimate", "async_save", "prepared_cache",
     # A file reads as the same conversations whether its format is detected or named (a named
     # format the file is not in is refused; only an item with two formats' fields, which auto
     # refuses, reads differently as each), and checkpoints made before the field still resume.
@@ -83,7 +83,6 @@ class Prepared:
     output_dir: str
     precision: str
     placement: Placement
-    conversations: list[Conversation]
     ds_config: dict
     config_digest: str
     step_delay: float
@@ -103,6 +102,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
     if resolved.deepspeed_config:
         resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
+    if resolved.prepared_cache:
+        resolved = resolved.model_copy(update={"prepared_cache": os.path.abspath(resolved.prepared_cache)})
     output_dir = training.output_dir
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
@@ -110,7 +111,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
-    conversations = load_conversations(resolved.data, training.data_format)
+    # The records are read and checked where they are tokenized (the data phase, jobgen.train.store).
+    check_data_path(resolved.data)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
@@ -124,7 +126,6 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         output_dir=os.path.abspath(output_dir),
         precision=precision,
         placement=placement,
-        conversations=conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
         step_delay=debug_step_delay(),
@@ -235,12 +236,12 @@ class Trainer:
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
         try:
             tokenizer = self.tokenizer = load_tokenizer(t.model)
-            chat = ChatTokenizer(tokenizer, t.max_length)
-            dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
-            batches = MicroBatches.build(
-                dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
-                t.group_by_length, t.max_length if t.packing else None,
-            )
+            batches = self._batches(tokenizer)
+        except UserError as exc:
+            error = exc
+        dist.raise_together(error)
+        clock.mark("data")
+        try:
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
@@ -292,6 +293,36 @@ class Trainer:
             log.info("global batch %d = %d ranks x micro-batch %d x %d accumulation", self.global_batch,
                      dist.world_size, self.micro, self.accumulation)
         self._loop(engine, batches, first_step, total_steps)
+
+    def _batches(self, tokenizer: Any) -> MicroBatches:
+        """The prepared store, made by local rank 0 of each node (or found: a restart, `jobgen
+        prepare`, another job), mapped by every rank; other ranks poll, not wait in a collective."""
+        t, dist = self.t, self.dist
+        preparer = self.info.local_rank == 0
+        started = time.perf_counter()
+
+        def progress_line(text: str) -> None:
+            log.info("data: %s", text)
+
+        def still_waiting(seconds: float) -> None:
+            log.info("data: waiting %.0f s for local rank 0 to prepare the store", seconds)
+
+        from jobgen.train.encode import Progress
+
+        progress = Progress(progress_line) if preparer else None
+        dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress, waiting=still_waiting)
+        rows = dataset.packed_rows(t.max_length, t.seed, preparer) if t.packing else None
+        if dist.is_main or (preparer and outcome == "prepared"):
+            meta = dataset.meta
+            said = {"found": "found, preparation skipped", "waited": "prepared by another process",
+                    "prepared": f"prepared here in {meta['seconds']:.1f} s with {meta['processes']} processes "
+                                f"({meta['tokens'] / max(meta['seconds'], 1e-6) / 1e6:.2f} M tokens/s)"}[outcome]
+            log.info("data: store %s (%d conversations, %d tokens): %s; ready in %.2f s", dataset.path,
+                     meta["conversations"], meta["tokens"], said, time.perf_counter() - started)
+        return MicroBatches.build(
+            dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
+            t.group_by_length, t.max_length if t.packing else None, rows,
+        )
 
     def _global_batch(self, found: Optional[ckpt.Found]) -> int:
         """The checkpoint's global batch when resuming (a run keeps its batch whatever its world
@@ -589,3 +620,4 @@ def _sample_log(output_dir: str, rank: int):
     if os.environ.get("JOBGEN_DEBUG_SAMPLE_LOG", "") not in ("", "0"):
         return open(os.path.join(output_dir, f"samples-rank{rank}.jsonl"), "a", buffering=1, encoding="utf-8")
     return None
+
