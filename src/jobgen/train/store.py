@@ -57,6 +57,9 @@ TOKENIZER_FILES = (
 COMPLETE = "COMPLETE"
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
 POLL_SECONDS = 0.2
+# A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
+# nodes and file servers differ by seconds, not minutes).
+STALE_FAILURE_SECONDS = 60
 
 
 @dataclass(frozen=True)
@@ -178,12 +181,12 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool, what
     "found", "waited" (another process made it meanwhile) or "prepared". Raises the preparer's
     UserError on every process (from TARGET.failed)."""
     failed = target + ".failed"
-    waited_since = time.monotonic()
+    waited_since, started = time.monotonic(), time.time()
     said = 0.0
     while True:
         if is_complete(target):
             return "found" if time.monotonic() - waited_since < POLL_SECONDS else "waited"
-        if os.path.exists(failed):
+        if _failed_since(failed, started - STALE_FAILURE_SECONDS):
             with open(failed, encoding="utf-8") as handle:
                 raise UserError(handle.read().strip())
         if preparer:
@@ -200,6 +203,14 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool, what
         time.sleep(POLL_SECONDS)
 
 
+def _failed_since(path: str, since: float) -> bool:
+    """A preparer's error is this start's if written after it began (an older one is redone)."""
+    try:
+        return os.stat(path).st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
 def _build_under_lock(target: str, build: Callable[[str], None], failed: str, exclusive: bool) -> None:
     folder, name = os.path.split(target)
     if exclusive:  # nobody else writes now: leftovers of killed preparations go
@@ -208,6 +219,7 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str, ex
                 _remove(os.path.join(folder, entry))
         if os.path.exists(target):  # incomplete: made by hand, or by a jobgen without the marker
             _remove(target)
+    _remove(failed)
     temp = os.path.join(folder, f".tmp-{name}-{socket.gethostname()}-{os.getpid()}")
     try:
         build(temp)
