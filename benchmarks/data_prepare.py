@@ -14,7 +14,8 @@ variant in a fresh process, alternating, `--repeats` times:
     minutes per repeat). Reports tokens/s on its one CPU and the rank's RSS growth per conversation.
   - prepare: jobgen.train.store.ensure_store into an empty folder (what `jobgen prepare` and local
     rank 0 do) with `--processes` workers (default: every usable CPU): tokens/s per CPU.
-  - restart: ensure_store finding that store, then MicroBatches.build, as a restarted rank does:
+  - restart: load_tokenizer, ensure_store finding that store, then MicroBatches.build and a first
+    batch, as a restarted rank's data phase does:
     the data phase's seconds, and the rank's RSS growth (RssAnon: private; RssFile: the mapped
     store's pages, which are the page cache's, shared by every rank of the node), also after
     reading every token once (a rank's epoch).
@@ -85,6 +86,12 @@ def memory() -> dict:
     return status
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished workers: what the work cost, whatever the load."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 # --- the variants, each run in its own process ----------------------------------------------------
 
 
@@ -95,13 +102,14 @@ def run_old(data: str, model: str, count: int) -> dict:
 
     tokenizer = load_tokenizer(model)
     before = memory()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     conversations = load_conversations(data)[:count]
     dataset = TokenizedDataset(conversations, ChatTokenizer(tokenizer, 2048), tokenizer.pad_token_id)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     after = memory()
     tokens = sum(dataset.lengths)
     return {"conversations": len(dataset), "tokens": tokens, "seconds": seconds, "tokens_per_s_per_cpu": tokens / seconds,
+            "cpu_seconds": cpu, "tokens_per_cpu_second": tokens / cpu,
             "rss_growth_mb": after["VmRSS"] - before["VmRSS"], "peak_rss_mb": after["VmHWM"]}
 
 
@@ -116,14 +124,15 @@ def run_prepare(data: str, model: str, cache: str, processes: int) -> dict:
     from jobgen.train.store import ensure_store
 
     tokenizer = load_tokenizer(model)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     dataset, outcome = ensure_store(_training(data, model, cache), cache, tokenizer, True, processes=processes)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     assert outcome == "prepared", outcome
     tokens = int(dataset.meta["tokens"])
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return {"conversations": len(dataset), "tokens": tokens, "seconds": seconds, "processes": processes,
             "tokens_per_s_per_cpu": tokens / seconds / processes, "peak_rss_mb": memory()["VmHWM"],
+            "cpu_seconds": cpu, "tokens_per_cpu_second": tokens / cpu,
             "worker_peak_rss_mb": children}
 
 
@@ -134,9 +143,11 @@ def run_restart(data: str, model: str, cache: str) -> dict:
     from jobgen.train.modeling import load_tokenizer
     from jobgen.train.store import ensure_store
 
-    tokenizer = load_tokenizer(model)
+    import transformers  # noqa: F401 - imported before, as the trainer's imports phase does
+
     before = memory()
-    started = time.perf_counter()
+    started = time.perf_counter()  # the trainer's data phase: the tokenizer, the store, the order
+    tokenizer = load_tokenizer(model)
     dataset, outcome = ensure_store(_training(data, model, cache), cache, tokenizer, False)
     batches = MicroBatches.build(dataset, 16, 8, 0, 2, 1, 42, False, None)
     batches.collate(batches.units(0, 0, 0))
@@ -247,7 +258,11 @@ def main() -> None:
     old_per_conversation = median("old", "rss_growth_mb") / median("old", "conversations")
     old_rank_mb = old_per_conversation * args.conversations
     print(f"\nmedians of {args.repeats}:")
-    print(f"  tokens/s per CPU: old {old_rate / 1e6:.3f} M, prepared store {new_rate / 1e6:.3f} M ({new_rate / old_rate:.1f}x)")
+    print(f"  tokens/s per CPU (wall): old {old_rate / 1e6:.3f} M, prepared store {new_rate / 1e6:.3f} M ({new_rate / old_rate:.1f}x)")
+    old_cpu, new_cpu = median("old", "tokens_per_cpu_second"), median("prepare", "tokens_per_cpu_second")
+    print(f"  tokens per CPU second: old {old_cpu / 1e6:.3f} M, prepared store {new_cpu / 1e6:.3f} M ({new_cpu / old_cpu:.1f}x)")
+    print(f"  tokens/s of the node: old {old_rate / 1e6:.3f} M (one CPU per rank), prepared store "
+          f"{new_rate * processes / 1e6:.3f} M ({new_rate * processes / old_rate:.1f}x)")
     print(f"  preparation of {args.conversations}: {median('prepare', 'seconds'):.1f} s on {processes} processes "
           f"({median('prepare', 'tokens') / 1e6:.0f} M tokens); old path, extrapolated from "
           f"{args.old_conversations}: {args.conversations / median('old', 'conversations') * median('old', 'seconds'):.0f} s per rank")

@@ -309,8 +309,14 @@ class Trainer:
 
         from jobgen.train.encode import Progress
 
-        progress = Progress(progress_line) if preparer else None
-        dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress, waiting=still_waiting)
+        shown = Progress(progress_line)
+
+        def progress(done: int, total: int, tokens: int) -> None:
+            self.beat.progress(done)  # a preparation longer than the start-up bound is not a hang
+            shown(done, total, tokens)
+
+        dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress if preparer else None,
+                                        waiting=still_waiting)
         rows = dataset.packed_rows(t.max_length, t.seed, preparer) if t.packing else None
         if dist.is_main or (preparer and outcome == "prepared"):
             meta = dataset.meta
