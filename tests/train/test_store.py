@@ -39,7 +39,7 @@ def _reference(training: Training, tokenizer) -> TokenizedDataset:
 
 def _assert_same(stored, reference) -> None:
     assert stored.lengths == reference.lengths and stored.ids == reference.ids
-    assert list(stored.label_counts) == reference.label_counts
+    assert stored.label_counts == reference.label_counts
     for i in range(len(reference)):
         ids, labels = stored.sample(i)
         assert ids.tolist() == reference.input_ids[i] and labels.tolist() == reference.labels[i], i
@@ -175,3 +175,24 @@ def test_bad_data_is_one_line_for_the_preparer_and_for_every_waiting_rank(tiny, 
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"jobgen: error: {data}: record 3 (id 'x')")
+
+
+def test_a_job_tokenizes_once_on_its_workers_and_its_restart_finds_the_store(tiny, tools, tmp_path):
+    """2 ranks under torchrun: local rank 0 tokenizes with a worker per CPU while rank 1 polls;
+    the next start of the same run maps the store."""
+    from jobgen.train.tiny import synthetic_conversations
+
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(synthetic_conversations(600, seed=2)))  # enough chunks for the workers
+    job = tools.write_job(tmp_path / "run", tiny, data=str(data), max_steps=1, save_interval=1, lr_schedule="constant")
+    first = tools.train(job)
+    assert first.returncode == 0, first.stdout
+    assert "with 2 processes" in first.stdout and "prepared here" in first.stdout
+    raw = yaml.safe_load(job.read_text())
+    raw["training"]["max_steps"] = 2  # one more step: a resume
+    job.write_text(yaml.safe_dump(raw))
+    second = tools.train(job)
+    assert second.returncode == 0, second.stdout
+    assert "found, preparation skipped" in second.stdout and "tokenized" not in second.stdout
+    startups = [json.loads(line) for line in (job.parent / "output" / "startup.jsonl").read_text().splitlines()]
+    assert [entry["first_step"] for entry in startups] == [0, 1] and all("data" in e["seconds"] for e in startups)

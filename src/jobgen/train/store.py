@@ -174,7 +174,7 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
 
 
-def prepare_once(target: str, build: Callable[[str], None], preparer: bool, what: str,
+def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
                  waiting: Optional[Callable[[float], None]] = None) -> str:
     """Make `target` (a folder or a file) with `build(temporary_path)` unless it is complete.
     A preparer takes TARGET.lock and builds; the others poll until it is complete. Returns
@@ -296,7 +296,8 @@ class StoredDataset(TokenDataset):
         with open(os.path.join(path, "meta.json"), encoding="utf-8") as handle:
             self.meta = json.load(handle)
         self.offsets = np.load(os.path.join(path, "offsets.npy"), mmap_mode="r")
-        self.label_counts = np.load(os.path.join(path, "label_counts.npy"), mmap_mode="r")
+        # Python ints, as the per-rank path's: the loss divides by their sum.
+        self.label_counts = np.load(os.path.join(path, "label_counts.npy")).tolist()
         total = int(self.meta["tokens"])
         self.token_ids = _map(os.path.join(path, "tokens.int32"), np.int32, total)
         self.learned = _map(os.path.join(path, "learned.uint8"), np.uint8, total)
@@ -342,7 +343,7 @@ class StoredDataset(TokenDataset):
                 handle.flush()
                 os.fsync(handle.fileno())
 
-        prepare_once(target, build, preparer, "packed rows")
+        prepare_once(target, build, preparer)
         with np.load(target) as saved:
             flat, bounds = saved["samples"].tolist(), saved["bounds"].tolist()
         return [flat[bounds[r]:bounds[r + 1]] for r in range(len(bounds) - 1)]
@@ -422,5 +423,5 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Any, preparer: bool, pr
         conversations = load_conversations(training.data, training.data_format)
         write_store(temp, conversations, ChatTokenizer(tokenizer, training.max_length), inputs, processes, progress)
 
-    outcome = prepare_once(target, build, preparer, "data", waiting)
+    outcome = prepare_once(target, build, preparer, waiting)
     return StoredDataset(target, tokenizer.pad_token_id), outcome
