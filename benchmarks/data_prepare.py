@@ -10,8 +10,8 @@ variant in a fresh process, alternating, `--repeats` times:
 
   - old: what every rank did at every start before the store: load_conversations, then
     TokenizedDataset (ChatTokenizer, one tokenizer call per turn, Python lists), on the first
-    `--old-conversations` conversations (the old path is linear in the data; its full run takes
-    minutes per repeat). Reports tokens/s on its one CPU and the rank's RSS growth per conversation.
+    `--old-conversations` conversations, a file of its own (the old path is linear in the data;
+    its full run takes minutes per repeat). Reports tokens/s on its one CPU and the rank's RSS growth per conversation.
   - prepare: jobgen.train.store.ensure_store into an empty folder (what `jobgen prepare` and local
     rank 0 do) with `--processes` workers (default: every usable CPU): tokens/s per CPU.
   - restart: load_tokenizer, ensure_store finding that store, then MicroBatches.build and a first
@@ -19,8 +19,9 @@ variant in a fresh process, alternating, `--repeats` times:
     the data phase's seconds, and the rank's RSS growth (RssAnon: private; RssFile: the mapped
     store's pages, which are the page cache's, shared by every rank of the node), also after
     reading every token once (a rank's epoch).
-With `--datasets`, also the Hugging Face `datasets` map path (Dataset.from_json, then map with
-the same ChatTokenizer, batched, num_proc = the processes), if the package is installed.
+With `--datasets`, also the Hugging Face `datasets` map path (Dataset.from_list of the records
+jobgen reads, then map with the same ChatTokenizer, batched, num_proc = the processes), if the
+package is installed (or in `--datasets-path`, a folder `pip install --target` filled).
 
 Prints one JSON line per measurement and a table of medians, with the ratios.
 """
@@ -103,7 +104,7 @@ def run_old(data: str, model: str, count: int) -> dict:
     tokenizer = load_tokenizer(model)
     before = memory()
     started, cpu = time.perf_counter(), cpu_seconds()
-    conversations = load_conversations(data)[:count]
+    conversations = load_conversations(data)  # a file of `count` conversations: a rank of the old path parsed its whole file
     dataset = TokenizedDataset(conversations, ChatTokenizer(tokenizer, 2048), tokenizer.pad_token_id)
     seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     after = memory()
@@ -163,6 +164,8 @@ def run_restart(data: str, model: str, cache: str) -> dict:
 
 
 def run_datasets(data: str, model: str, processes: int) -> dict:
+    if os.environ.get("BENCH_DATASETS_PATH"):  # appended: this environment's own packages still win
+        sys.path.append(os.environ["BENCH_DATASETS_PATH"])
     import datasets
 
     from jobgen.job.conversations import load_conversations
@@ -214,6 +217,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--processes", type=int, default=0)
     parser.add_argument("--datasets", action="store_true")
+    parser.add_argument("--datasets-path", help="a folder `pip install --target` put datasets in (kept out of this environment)")
     parser.add_argument("--workdir", help="keep the generated data here (default: a temporary folder)")
     parser.add_argument("--run", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -223,6 +227,8 @@ def main() -> None:
         print(json.dumps(function(*[int(a) if a.isdigit() else a for a in rest])))
         return
 
+    if args.datasets_path:
+        os.environ["BENCH_DATASETS_PATH"] = os.path.abspath(args.datasets_path)
     sys.path.insert(0, str(REPO / "src"))
     from jobgen.train.encode import usable_cpus
     from jobgen.train.tiny import build
@@ -233,6 +239,9 @@ def main() -> None:
     data = work / f"data-{args.conversations}.json"
     if not data.exists():
         generate(data, args.conversations)
+    old_data = work / f"data-{args.old_conversations}.json"  # the same first conversations
+    if not old_data.exists():
+        generate(old_data, args.old_conversations)
     if not (work / "tiny" / "model").exists():
         build(str(work / "tiny"), conversations=16)
     model = str(work / "tiny" / "model")
@@ -241,7 +250,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
         cache = tempfile.mkdtemp(dir=work, prefix="cache-")
-        for variant, run_args in (("old", (str(data), model, str(args.old_conversations))),
+        for variant, run_args in (("old", (str(old_data), model, str(args.old_conversations))),
                                   ("prepare", (str(data), model, cache, str(processes))),
                                   ("restart", (str(data), model, cache)),
                                   *((("datasets", (str(data), model, str(processes))),) if args.datasets else ())):

@@ -318,7 +318,7 @@ class Trainer:
         dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress if preparer else None,
                                         waiting=still_waiting)
         rows = dataset.packed_rows(t.max_length, t.seed, preparer) if t.packing else None
-        if dist.is_main or (preparer and outcome == "prepared"):
+        if dist.is_main:
             meta = dataset.meta
             said = {"found": "found, preparation skipped", "waited": "prepared by another process",
                     "prepared": f"prepared here in {meta['seconds']:.1f} s with {meta['processes']} processes "
@@ -626,4 +626,3 @@ def _sample_log(output_dir: str, rank: int):
     if os.environ.get("JOBGEN_DEBUG_SAMPLE_LOG", "") not in ("", "0"):
         return open(os.path.join(output_dir, f"samples-rank{rank}.jsonl"), "a", buffering=1, encoding="utf-8")
     return None
-
