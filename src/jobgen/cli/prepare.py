@@ -22,8 +22,9 @@ from jobgen.errors import JobgenError
 def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], processes: Optional[int]) -> None:
     """Tokenize CONFIG's data into the store its job reads (training.prepared_cache, else the run
     directory's prepared/), with a progress line. A job whose store is there skips its data
-    preparation; a store already there is kept. Paths are resolved as the job resolves them:
-    against environment.workdir, else this directory (submit from the same one)."""
+    preparation; a store already there is kept. Paths are resolved as the job resolves them (data,
+    model and prepared_cache against environment.workdir, else this directory; the run directory
+    against this directory): run it where you run submit."""
     resolved = resolve(config, site, overrides)
     job = resolved.job
     base = Path(job.environment.workdir or os.getcwd())
@@ -33,7 +34,7 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
         "model": model, "data": str((base / training.data).resolve()),
         "prepared_cache": str((base / training.prepared_cache).resolve()) if training.prepared_cache else None,
     })
-    run_dir = str((base / job.effective_run_dir).resolve())
+    run_dir = str(Path(job.effective_run_dir).resolve())  # as submit makes it: against this directory
     try:
         from jobgen.job.model_reference import check_model_reference
         from jobgen.train.encode import Progress
