@@ -196,3 +196,20 @@ def test_a_job_tokenizes_once_on_its_workers_and_its_restart_finds_the_store(tin
     assert "found, preparation skipped" in second.stdout and "tokenized" not in second.stdout
     startups = [json.loads(line) for line in (job.parent / "output" / "startup.jsonl").read_text().splitlines()]
     assert [entry["first_step"] for entry in startups] == [0, 1] and all("data" in e["seconds"] for e in startups)
+
+
+def test_another_chat_layout_is_stored_conversation_by_conversation(tiny, tokenizer, tmp_path):
+    """A layout other than ChatTokenizer's own (a subclass here) goes through its own __call__."""
+    from jobgen.train.encode import BatchChatEncoder
+
+    class Shouting(ChatTokenizer):
+        def __call__(self, conversation):
+            ids, labels = super().__call__(conversation)
+            return ids[::-1], labels[::-1]
+
+    conversations = load_conversations(str(tiny / "data.json"))[:5]
+    chunk = BatchChatEncoder(Shouting(tokenizer, 64)).encode(conversations)
+    expected = [Shouting(tokenizer, 64)(c) for c in conversations]
+    assert chunk.tokens.tolist() == [t for ids, _ in expected for t in ids]
+    assert chunk.lengths.tolist() == [len(ids) for ids, _ in expected]
+    assert chunk.label_counts.tolist() == [sum(1 for l in labels[1:] if l != -100) for _, labels in expected]

@@ -35,11 +35,15 @@ class Chunk:
 
 
 class BatchChatEncoder:
-    """ChatTokenizer's layout, with every turn text of a chunk encoded in one batch call."""
+    """ChatTokenizer's layout, with every turn text of a chunk encoded in one batch call. Another
+    chat layout (any `chat(conversation) -> (input_ids, labels)`) is called conversation by
+    conversation, still in the worker processes."""
 
-    def __init__(self, chat: ChatTokenizer) -> None:
+    def __init__(self, chat: Any) -> None:
         self.chat = chat
-        self.headers = {role: chat._encode(role + "\n") for role in ROLES}
+        self.batched = type(chat) is ChatTokenizer  # a subclass may lay turns out otherwise
+        if self.batched:
+            self.headers = {role: chat._encode(role + "\n") for role in ROLES}
         self.max_length = chat.max_length
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
@@ -55,6 +59,8 @@ class BatchChatEncoder:
     def encode(self, conversations: Sequence[Conversation]) -> Chunk:
         import numpy as np
 
+        if not self.batched:
+            return self._encode_each(conversations)
         texts = [text for c in conversations for text in (c.system, *(text for _, text in c.turns))]
         encoded = iter(self._encode_texts(texts))
         start, end, newline = self.chat.im_start, self.chat.im_end, self.chat.newline
@@ -79,6 +85,19 @@ class BatchChatEncoder:
             counts.append(sum(mask) - (mask[0] if mask else 0))
         return Chunk(np.array(tokens, dtype=np.int32), np.array(learned, dtype=np.uint8),
                      np.array(lengths, dtype=np.int32), np.array(counts, dtype=np.int32))
+
+
+    def _encode_each(self, conversations: Sequence[Conversation]) -> Chunk:
+        import numpy as np
+
+        pairs = [self.chat(c) for c in conversations]
+        tokens = np.array([t for ids, _ in pairs for t in ids], dtype=np.int32)
+        labels = np.array([l for _, labels in pairs for l in labels], dtype=np.int64)
+        learned = (labels != -100).astype(np.uint8)
+        if not np.array_equal(labels[learned == 1], tokens[learned == 1]):
+            raise ValueError("a chat layout whose labels are not the input ids cannot be stored as a mask")
+        counts = [sum(1 for l in labels[1:] if l != -100) for _, labels in pairs]
+        return Chunk(tokens, learned, np.array([len(ids) for ids, _ in pairs], dtype=np.int32), np.array(counts, dtype=np.int32))
 
 
 # The worker processes' share of the work: set before the fork, so that each worker reads the
