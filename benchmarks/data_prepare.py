@@ -197,7 +197,10 @@ def run_datasets(data: str, model: str, processes: int) -> dict:
     # hold ShareGPT's optional system turn and mixed turns in one Arrow schema without a cast.
     rows = [{"system": c.system, "roles": [r for r, _ in c.turns], "texts": [t for _, t in c.turns]}
             for c in load_conversations(data)]
-    table = datasets.Dataset.from_list(rows)
+    import pyarrow
+
+    # A fingerprint given: datasets would otherwise hash the whole table with dill.
+    table = datasets.Dataset(pyarrow.Table.from_pylist(rows), fingerprint="jobgen-benchmark-rows")
     del rows
     mapped = table.map(datasets_encode, fn_kwargs={"model": model}, batched=True, num_proc=processes,
                        remove_columns=table.column_names, new_fingerprint="jobgen-benchmark")
