@@ -14,8 +14,8 @@ variant in a fresh process, alternating, `--repeats` times:
     its full run takes minutes per repeat). Reports tokens/s on its one CPU and the rank's RSS growth per conversation.
   - prepare: jobgen.train.store.ensure_store into an empty folder (what `jobgen prepare` and local
     rank 0 do) with `--processes` workers (default: every usable CPU): tokens/s per CPU.
-  - restart: load_tokenizer, ensure_store finding that store, then MicroBatches.build and a first
-    batch, as a restarted rank's data phase does:
+  - restart: ensure_store finding that store, then MicroBatches.build and a first batch, as a
+    restarted rank's data phase does (torch and transformers imported before, as there):
     the data phase's seconds, and the rank's RSS growth (RssAnon: private; RssFile: the mapped
     store's pages, which are the page cache's, shared by every rank of the node), also after
     reading every token once (a rank's epoch).
@@ -126,7 +126,7 @@ def run_prepare(data: str, model: str, cache: str, processes: int) -> dict:
 
     tokenizer = load_tokenizer(model)
     started, cpu = time.perf_counter(), cpu_seconds()
-    dataset, outcome = ensure_store(_training(data, model, cache), cache, tokenizer, True, processes=processes)
+    dataset, outcome = ensure_store(_training(data, model, cache), cache, lambda: tokenizer, True, processes=processes)
     seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     assert outcome == "prepared", outcome
     tokens = int(dataset.meta["tokens"])
@@ -148,9 +148,8 @@ def run_restart(data: str, model: str, cache: str) -> dict:
     import transformers  # noqa: F401
 
     before = memory()
-    started = time.perf_counter()  # the trainer's data phase: the tokenizer, the store, the order
-    tokenizer = load_tokenizer(model)
-    dataset, outcome = ensure_store(_training(data, model, cache), cache, tokenizer, False)
+    started = time.perf_counter()  # the trainer's data phase: the store found and mapped, the order
+    dataset, outcome = ensure_store(_training(data, model, cache), cache, lambda: load_tokenizer(model), False)
     batches = MicroBatches.build(dataset, 16, 8, 0, 2, 1, 42, False, None)
     batches.collate(batches.units(0, 0, 0))
     seconds = time.perf_counter() - started

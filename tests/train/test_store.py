@@ -48,7 +48,7 @@ def _assert_same(stored, reference) -> None:
 @pytest.mark.parametrize("processes,max_length", [(1, 128), (2, 128), (2, 40)])
 def test_store_holds_the_tokens_and_labels_of_the_per_rank_path(tiny, tokenizer, tmp_path, processes, max_length):
     training = _training(tiny, max_length=max_length)
-    stored, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=True, processes=processes)
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=processes)
     assert outcome == "prepared" and stored.path.startswith(str(tmp_path / "prepared"))
     reference = _reference(training, tokenizer)
     _assert_same(stored, reference)
@@ -63,9 +63,9 @@ def test_store_holds_the_tokens_and_labels_of_the_per_rank_path(tiny, tokenizer,
 
 def test_a_second_start_finds_the_store_and_a_change_of_input_makes_another(tiny, tokenizer, tmp_path):
     training = _training(tiny)
-    first, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=True)
+    first, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True)
     assert outcome == "prepared"
-    again, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=False)
+    again, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
     assert (outcome, again.path) == ("found", first.path)
     # The data's content, not its name or time stamp, is the key.
     copy = tmp_path / "copy.json"
@@ -84,7 +84,7 @@ def test_an_incomplete_store_folder_is_never_used_and_is_made_again(tiny, tokeni
     broken = tmp_path / "prepared" / key
     broken.mkdir(parents=True)
     (broken / "tokens.int32").write_bytes(b"\0" * 12)  # as if written by hand, without its marker
-    stored, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=True)
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True)
     assert outcome == "prepared" and (broken / COMPLETE).exists()
     _assert_same(stored, _reference(training, tokenizer))
 
@@ -128,7 +128,7 @@ def test_a_preparation_killed_midway_leaves_no_store_and_the_next_one_makes_it(t
     folders = [p for p in stores.iterdir() if p.is_dir()]
     assert len(folders) == 1 and (folders[0] / COMPLETE).exists()  # the leftover is gone
     training = Training(model=str(tiny / "model"), data=str(big_data), max_length=256, prepared_cache=str(stores))
-    stored, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=False)
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
     assert outcome == "found" and stored.path == str(folders[0])
     _assert_same(stored, _reference(training, tokenizer))
 
@@ -145,7 +145,7 @@ def test_two_preparations_at_once_make_one_good_store(tiny, tokenizer, tmp_path,
     stores = tmp_path / "stores"
     assert [p.name for p in stores.iterdir() if p.name.startswith(".tmp-")] == []
     training = Training(model=str(tiny / "model"), data=str(big_data), max_length=256, prepared_cache=str(stores))
-    stored, outcome = ensure_store(training, str(tmp_path), tokenizer, preparer=False)
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
     reference = _reference(training, tokenizer)
     _assert_same(stored, reference)
     assert stored.packed_rows(256, 42, preparer=False) == pack_rows(reference.lengths, 256, 42)
@@ -160,14 +160,14 @@ def test_bad_data_is_one_line_for_the_preparer_and_for_every_waiting_rank(tiny, 
 
     def wait() -> None:
         try:
-            ensure_store(training, str(tmp_path), tokenizer, preparer=False)
+            ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
         except UserError as exc:
             waiter_error.append(exc)
 
     waiting = threading.Thread(target=wait)
     waiting.start()
     with pytest.raises(UserError, match=r"record 3 \(id 'x'\): conversations\[0\]\.from is 'bot'") as raised:
-        ensure_store(training, str(tmp_path), tokenizer, preparer=True, processes=1)
+        ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
     waiting.join(timeout=30)
     assert [str(e) for e in waiter_error] == [str(raised.value)]
 

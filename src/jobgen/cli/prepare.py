@@ -45,7 +45,6 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
                           "is missing): pip install 'jobgen[train]'") from None
     check_model_reference(training.model)
     started = time.monotonic()
-    tokenizer = load_tokenizer(training.model)
     tty = sys.stderr.isatty()
     width = [0]
 
@@ -59,7 +58,8 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     def waiting(seconds: float) -> None:
         show(f"another process is preparing this store; waited {seconds:.0f} s")
 
-    dataset, outcome = ensure_store(training, run_dir, tokenizer, True, processes, Progress(show, in_place=tty), waiting)
+    dataset, outcome = ensure_store(training, run_dir, lambda: load_tokenizer(training.model), True, processes,
+                                    Progress(show, in_place=tty), waiting)
     if tty and width[0]:
         click.echo(err=True)
     meta = dataset.meta

@@ -289,12 +289,13 @@ def _fsync_directory(folder: str) -> None:
 class StoredDataset(TokenDataset):
     """A complete store, mapped read-only: the pages are the page cache's, shared by the node's ranks."""
 
-    def __init__(self, path: str, pad_id: int) -> None:
+    def __init__(self, path: str) -> None:
         import numpy as np
 
-        self.path, self.pad_id = path, pad_id
+        self.path = path
         with open(os.path.join(path, "meta.json"), encoding="utf-8") as handle:
             self.meta = json.load(handle)
+        self.pad_id = int(self.meta["pad_token_id"])  # the tokenizer's, a function of its files
         self.offsets = np.load(os.path.join(path, "offsets.npy"), mmap_mode="r")
         # Python ints, as the per-rank path's: the loss divides by their sum.
         self.label_counts = np.load(os.path.join(path, "label_counts.npy")).tolist()
@@ -388,6 +389,7 @@ def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs,
     _write_json(os.path.join(folder, "ids.json"), [c.id for c in conversations])
     seconds = time.monotonic() - started
     meta = {"inputs": asdict(inputs), "conversations": len(conversations), "tokens": int(offsets[-1]),
+            "pad_token_id": chat.tokenizer.pad_token_id,
             "processes": processes, "seconds": round(seconds, 3), "host": socket.gethostname(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_json(os.path.join(folder, "meta.json"), meta)
@@ -402,11 +404,12 @@ def _write_json(path: str, payload: Any) -> None:
         os.fsync(handle.fileno())
 
 
-def ensure_store(training: Any, run_dir: str, tokenizer: Any, preparer: bool, processes: Optional[int] = None,
+def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], preparer: bool, processes: Optional[int] = None,
                  progress: Optional[Callable[[int, int, int], None]] = None,
                  waiting: Optional[Callable[[float], None]] = None) -> tuple[StoredDataset, str]:
     """The store of `training` (paths resolved), prepared here if this process is a preparer and
-    nobody has made it, else waited for. Returns it mapped, and prepare_once's outcome."""
+    nobody has made it, else waited for. Returns it mapped, and prepare_once's outcome.
+    `tokenizer()` gives the tokenizer; only a preparation calls it (a restart loads none here)."""
     from jobgen.job.conversations import load_conversations
     from jobgen.train.data import ChatTokenizer
 
@@ -421,7 +424,7 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Any, preparer: bool, pr
 
     def build(temp: str) -> None:
         conversations = load_conversations(training.data, training.data_format)
-        write_store(temp, conversations, ChatTokenizer(tokenizer, training.max_length), inputs, processes, progress)
+        write_store(temp, conversations, ChatTokenizer(tokenizer(), training.max_length), inputs, processes, progress)
 
     outcome = prepare_once(target, build, preparer, waiting)
-    return StoredDataset(target, tokenizer.pad_token_id), outcome
+    return StoredDataset(target), outcome

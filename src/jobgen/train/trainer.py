@@ -19,6 +19,7 @@ Order of work, the same on every rank:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -234,14 +235,16 @@ class Trainer:
             clock.mark("health check")
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
+        # Loaded once, by the data phase only if it tokenizes; the final save needs it anyway.
+        tokenizer = functools.lru_cache(maxsize=None)(lambda: load_tokenizer(t.model))
         try:
-            tokenizer = self.tokenizer = load_tokenizer(t.model)
             batches = self._batches(tokenizer)
         except UserError as exc:
             error = exc
         dist.raise_together(error)
         clock.mark("data")
         try:
+            self.tokenizer = tokenizer()
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
