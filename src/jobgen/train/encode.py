@@ -106,7 +106,12 @@ _WORK: dict[str, Any] = {}
 
 
 def _start_worker() -> None:
+    import signal
+
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per CPU already; no threads on top
+    # The trainer's handlers (a stop request) came with the fork: a worker must end when told to.
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def _encode_range(bounds: tuple[int, int]) -> Chunk:
@@ -147,6 +152,8 @@ def encode_all(conversations: Sequence[Conversation], chat: ChatTokenizer, proce
             if progress:
                 progress(done, len(conversations), tokens)
             yield chunk
+        if pool is not None:
+            pool.close()  # every chunk is in: the workers end on their own
     finally:
         _WORK.clear()
         if pool is not None:
