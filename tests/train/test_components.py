@@ -157,12 +157,14 @@ def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny,
     monkeypatch.chdir(tmp_path)
     job = Job.model_validate({
         "launch": {"procs_per_node": 2},
-        "training": {"model": str(tiny / "model"), "data": "conversations.json", "output_dir": "out"},
+        "training": {"model": str(tiny / "model"), "data": "conversations.json", "output_dir": "out",
+                     "prepared_cache": "stores"},
     })
     prepared = prepare(job, str(tmp_path / "runs" / "r1"), world_size=2)
     assert prepared.training.data == str(tmp_path / "conversations.json")
+    assert prepared.training.prepared_cache == str(tmp_path / "stores")  # as the data: against the working directory
     assert prepared.output_dir == str(tmp_path / "runs" / "r1" / "out")
-    assert len(prepared.conversations) == 48 and prepared.ds_config["train_batch_size"] == 2
+    assert prepared.ds_config["train_batch_size"] == 2
 
 
 def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):

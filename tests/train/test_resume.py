@@ -46,6 +46,10 @@ def test_sigterm_stops_with_a_checkpoint_and_a_rerun_completes(runs):
     assert completed["reason"] == "completed" and completed["signal"] is None
     assert completed["first_step"] == stopped["last_step"] and completed["last_step"] == STEPS
     assert "resumed from" in runs["resume_log"]
+    # The restart maps the data its first start tokenized, and says so.
+    assert "found, preparation skipped" in runs["resume_log"]
+    startups = [json.loads(line) for line in (runs["interrupted"] / "output" / "startup.jsonl").read_text().splitlines()]
+    assert len(startups) == 2 and all("data" in entry["seconds"] for entry in startups)
 
 
 def test_resumed_adapter_is_bitwise_identical_to_uninterrupted(runs, tools):

@@ -462,6 +462,11 @@ class Training(_Strict):
         "with the same total steps (unless lr_schedule is constant)",
     )
     max_length: int = Field(2048, ge=8)
+    prepared_cache: Optional[str] = Field(
+        None,
+        description="folder of tokenized data stores, shared by the jobs that name it (a site profile may set it); "
+        "default: the run directory's prepared/. Relative to the working directory, as training.data",
+    )
     save_interval: int = Field(200, ge=1, description="optimizer steps between periodic checkpoints")
     keep_checkpoints: int = Field(2, ge=1)
     async_save: bool = Field(

@@ -34,6 +34,7 @@ EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure at
 NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
+PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder
 # In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
 STARTUP_FILE = "startup.jsonl"  # where each segment's time to its first new step went

@@ -161,6 +161,11 @@ def excluded_nodes(run_path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _data_cell(segment: dict[str, Any]) -> str:
+    seconds = (segment.get("startup") or {}).get("data")
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
 def _health_cell(segment: dict[str, Any]) -> tuple[str, str]:
     health = segment.get("health")
     if not health:
@@ -202,6 +207,10 @@ def format_table(report: dict[str, Any]) -> str:
         ]
         if report.get("probe"):  # a probe trains nothing: no steps, no time to a first step
             header, rows = header[:4] + header[5:6], [row[:4] + row[5:6] for row in rows]
+        elif any("data" in (s.get("startup") or {}) for s in report["segments"]):
+            # Of the time to the first step: the data phase (tokenizing, or finding the prepared store).
+            header = header[:7] + ("data",) + header[7:]
+            rows = [row[:7] + (_data_cell(s),) + row[7:] for row, s in zip(rows, report["segments"])]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -3,7 +3,8 @@
     torchrun ... -m jobgen.train --job RUN_DIR/job.yaml [--run-dir RUN_DIR]
 
 Modules, one concept each: `data` (conversations, chat layout, batch order), `chat_template`
-(which template a job trains in, and the assistant's part of it), `modeling` (model,
+(which template a job trains in, and the assistant's part of it), `store` (the data tokenized
+once into a memory-mapped store), `encode` (tokenizing in parallel for it), `modeling` (model,
 tokenizer, LoRA/Q-LoRA), `dsconfig` (DeepSpeed config), `distributed` (ranks, process group),
 `checkpoint` (save/verify/find/load/prune), `background_save`, `stop` (signal flag), `metrics`,
 `exit_report` (`RUN_DIR/trainer-exit.json`), `console` (where a rank's output goes), `memory`

@@ -130,44 +130,45 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-class TokenizedDataset:
-    """Every conversation tokenized once, up front (lengths are needed for grouping anyway)."""
+class TokenDataset:
+    """What batching needs of tokenized conversations, however they are held: `ids` (each
+    conversation's id), `lengths`, `label_counts` (tokens each sample is trained on: labels after
+    the first, as position t predicts t+1 and a packed row masks each sample's first label, which
+    the unpacked shift drops too), `pad_id`, and `sample(i)` -> (input_ids, labels)."""
 
-    def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
-        self.ids = [c.id for c in conversations]
-        uncut = [chat.uncut(c) for c in conversations]
-        self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
-        self.labels = [labels[: chat.max_length] for _, labels in uncut]
-        # Conversations longer than max_length: the trainer says how many were cut.
-        self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
-        # Tokens each sample is trained on: labels after the first (position t predicts t+1; a
-        # packed row masks each sample's first label, which the unpacked shift drops too).
-        self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
-        self.pad_id = pad_id
+    ids: Sequence[str]
+    label_counts: Sequence[int]
+    pad_id: int
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.lengths)
 
     @property
     def lengths(self) -> list[int]:
-        return [len(x) for x in self.input_ids]
+        raise NotImplementedError
+
+    def sample(self, index: int) -> tuple[Any, Any]:
+        raise NotImplementedError
 
     def tokens(self, indices: Sequence[int]) -> int:
         """Tokens that are not padding in a batch of these samples."""
-        return sum(len(self.input_ids[i]) for i in indices)
+        lengths = self.lengths
+        return sum(lengths[i] for i in indices)
 
     def collate(self, indices: Sequence[int]) -> dict:
         """Right-padded tensors: input_ids, attention_mask, labels (-100 on padding)."""
         import torch
 
-        width = max(len(self.input_ids[i]) for i in indices)
+        lengths = self.lengths
+        width = max(lengths[i] for i in indices)
         input_ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)
         attention = torch.zeros((len(indices), width), dtype=torch.long)
         for row, i in enumerate(indices):
-            n = len(self.input_ids[i])
-            input_ids[row, :n] = torch.tensor(self.input_ids[i])
-            labels[row, :n] = torch.tensor(self.labels[i])
+            n = lengths[i]
+            ids, labelled = self.sample(i)
+            input_ids[row, :n] = torch.as_tensor(ids)
+            labels[row, :n] = torch.as_tensor(labelled)
             attention[row, :n] = 1
         return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
@@ -178,20 +179,45 @@ class TokenizedDataset:
         each sample is -100: the token before it, another sample's last, must not learn to predict it."""
         import torch
 
-        width = max(sum(len(self.input_ids[i]) for i in row) for row in rows)
+        lengths = self.lengths
+        width = max(sum(lengths[i] for i in row) for row in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)
         for r, row in enumerate(rows):
             start = 0
             for i in row:
-                n = len(self.input_ids[i])
-                input_ids[r, start:start + n] = torch.tensor(self.input_ids[i])
-                labels[r, start + 1:start + n] = torch.tensor(self.labels[i][1:])
+                n = lengths[i]
+                ids, labelled = self.sample(i)
+                input_ids[r, start:start + n] = torch.as_tensor(ids)
+                labels[r, start + 1:start + n] = torch.as_tensor(labelled[1:])
                 positions[r, start:start + n] = torch.arange(n)
                 start += n
             positions[r, start:] = torch.arange(width - start)
         return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
+
+
+class TokenizedDataset(TokenDataset):
+    """Every conversation tokenized in this process, held in lists: the reference the prepared
+    store (jobgen.train.store) is checked against, and small data in tests."""
+
+    def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
+        self.ids = [c.id for c in conversations]
+        uncut = [chat.uncut(c) for c in conversations]
+        self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
+        self.labels = [labels[: chat.max_length] for _, labels in uncut]
+        # Conversations longer than max_length: the trainer says how many were cut.
+        self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
+        self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
+        self.pad_id = pad_id
+        self._lengths = [len(x) for x in self.input_ids]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    def sample(self, index: int) -> tuple[list[int], list[int]]:
+        return self.input_ids[index], self.labels[index]
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int]]:
@@ -320,19 +346,22 @@ class MicroBatches:
     step's last ones may be short or empty in the last step of an epoch). The units are samples,
     or packed rows when `rows` is given."""
 
-    def __init__(self, dataset: TokenizedDataset, order: BatchOrder, world_size: int, rank: int, micro: int,
+    def __init__(self, dataset: TokenDataset, order: BatchOrder, world_size: int, rank: int, micro: int,
                  accumulation: int, rows: Optional[list[list[int]]] = None) -> None:
         assert micro * accumulation * world_size == order.global_batch
         self.dataset, self.order, self.rows = dataset, order, rows
         self.world_size, self.rank, self.micro, self.accumulation = world_size, rank, micro, accumulation
 
     @classmethod
-    def build(cls, dataset: TokenizedDataset, global_batch: int, world_size: int, rank: int, micro: int,
-              accumulation: int, seed: int, group_by_length: bool, packing_capacity: Optional[int]) -> "MicroBatches":
+    def build(cls, dataset: TokenDataset, global_batch: int, world_size: int, rank: int, micro: int,
+              accumulation: int, seed: int, group_by_length: bool, packing_capacity: Optional[int],
+              rows: Optional[list[list[int]]] = None) -> "MicroBatches":
+        """`rows`: pack_rows' result when the caller has it already (a prepared store keeps it)."""
         lengths = dataset.lengths
-        rows = None
-        if packing_capacity is not None:
-            rows = pack_rows(lengths, packing_capacity, seed)
+        if packing_capacity is None:
+            rows = None
+        else:
+            rows = rows if rows is not None else pack_rows(lengths, packing_capacity, seed)
             lengths = [sum(lengths[i] for i in row) for row in rows]
         order = BatchOrder(len(lengths), global_batch, seed, lengths if group_by_length else None)
         return cls(dataset, order, world_size, rank, micro, accumulation, rows)

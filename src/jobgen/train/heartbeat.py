@@ -78,6 +78,12 @@ class Heartbeat:
             self.state.update(step=step, phase=phase, waiting=waiting)
             self._write()
 
+    def progress(self, done: int) -> None:
+        """Work done in a long phase without steps (preparing the data): the supervisor sees it move."""
+        if self.dir:
+            self.state["progress"] = done
+            self._write()
+
     def _write(self) -> None:
         path = os.path.join(self.dir, f"rank{self.rank}.json")
         tmp = f"{path}.tmp"
@@ -277,7 +283,8 @@ class Supervisor:
                 self._end(found, mine)
                 return
             ranks = self.all_ranks(mine)
-            key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"]) for r in ranks))
+            # A rank's progress before its first step (the data it has tokenized) counts as a change.
+            key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress")) for r in ranks))
             if key != last_key:
                 last_key, last_change = key, now
             step = max(r["step"] for r in ranks)

@@ -66,8 +66,9 @@ def process_start_time() -> float:
 class StartupClock:
     """Where a segment's time to its first new step goes: `mark(phase)` closes a phase at each
     milestone, from the process's start. Phases: imports (interpreter, torch, DeepSpeed,
-    transformers, peft), process group (and finding the checkpoint), model load (tokenizer, data,
-    weights, adapters), deepspeed init, checkpoint load, first step."""
+    transformers, peft), process group (and finding the checkpoint), health check, data (the
+    tokenizer, and the prepared store found, waited for or made: jobgen.train.store), model load
+    (weights, adapters), deepspeed init, checkpoint load, first step."""
 
     def __init__(self) -> None:
         self.started = process_start_time()

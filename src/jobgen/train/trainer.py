@@ -19,6 +19,7 @@ Order of work, the same on every rank:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -47,6 +48,7 @@ from jobgen.job.model_config import code_files_of, find_model_config, model_conf
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer, use_hub_cache
 from jobgen.train.stop import StopRequest, signal_name
+from jobgen.train.store import check_data_path, ensure_store
 
 log = logging.getLogger("jobgen.train")
 
@@ -57,7 +59,7 @@ log = logging.getLogger("jobgen.train")
 RESUME_SAFE_FIELDS = {
     "per_device_batch_size", "gradient_accumulation", "global_batch_size",
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
-    "output_dir", "step_seconds_estimate", "async_save",
+    "output_dir", "step_seconds_estimate", "async_save", "prepared_cache",
     # A file reads as the same conversations whether its format is detected or named (a named
     # format the file is not in is refused; only an item with two formats' fields, which auto
     # refuses, reads differently as each), and checkpoints made before the field still resume.
@@ -120,7 +122,6 @@ class Prepared:
     output_dir: str
     precision: str
     placement: Placement
-    conversations: list[Conversation]
     eval_conversations: list[Conversation]
     ds_config: dict
     config_digest: str
@@ -143,6 +144,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         resolved = resolved.model_copy(update={"chat_template": os.path.abspath(resolved.chat_template)})
     if resolved.deepspeed_config:
         resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
+    if resolved.prepared_cache:
+        resolved = resolved.model_copy(update={"prepared_cache": os.path.abspath(resolved.prepared_cache)})
     output_dir = training.output_dir
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
@@ -154,13 +157,16 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
-    conversations = load_conversations(resolved.data, training.data_format)
+    # The records are read and checked where they are tokenized (the data phase, jobgen.train.store).
+    check_data_path(resolved.data)
+    # The held-out conversations, which every rank evaluates its share of (training's are in the store).
     eval_conversations: list[Conversation] = []
     if resolved.eval_data:
         resolved = resolved.model_copy(update={"eval_data": os.path.abspath(resolved.eval_data)})
         eval_conversations = load_conversations(resolved.eval_data, training.data_format)
     elif training.eval_fraction:
-        conversations, eval_conversations = split_eval(conversations, training.eval_fraction, training.seed)
+        _, eval_conversations = split_eval(load_conversations(resolved.data, training.data_format),
+                                           training.eval_fraction, training.seed)
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
@@ -175,7 +181,6 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         output_dir=os.path.abspath(output_dir),
         precision=precision,
         placement=placement,
-        conversations=conversations,
         eval_conversations=eval_conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
@@ -307,29 +312,31 @@ class Trainer:
             clock.mark("health check")
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
+        # Loaded once, by the data phase only if it tokenizes; the final save needs it anyway.
+        tokenizer = functools.lru_cache(maxsize=None)(
+            lambda: load_tokenizer(t.model, t.model_revision, trust_remote_code=t.trust_remote_code))
         try:
             if dist.is_main and t.trust_remote_code:
                 log.info("training.trust_remote_code: running the code that %s ships: %s", self.p.job.training.model,
                          ", ".join(code_files_of(t.model)) or "none (transformers builds it)")
-            tokenizer = self.tokenizer = load_tokenizer(t.model, t.model_revision, trust_remote_code=t.trust_remote_code)
-            chat = self.chat = ChatTokenizer(tokenizer, t.max_length, t.chat_template, self.p.job.training.model)
-            if found is not None:
+            chat = None
+            if found is not None:  # a checkpoint resumes in its own chat layout only: said before any data work
+                chat = ChatTokenizer(tokenizer(), t.max_length, t.chat_template, self.p.job.training.model)
                 check_chat_template(found.state, chat, os.path.basename(found.path))
+            batches = self._batches(tokenizer)
+        except UserError as exc:
+            error = exc
+        dist.raise_together(error)
+        clock.mark("data")
+        try:
+            self.tokenizer = tokenizer()
+            chat = self.chat = chat or ChatTokenizer(self.tokenizer, t.max_length, t.chat_template, self.p.job.training.model)
             if dist.is_main:
                 log.info("chat template: %s", chat.template_name)
-            dataset = TokenizedDataset(self.p.conversations, chat, tokenizer.pad_token_id)
-            if dataset.cut_lengths and dist.is_main:
-                log.warning("%d of %d conversations are longer than training.max_length (%d tokens) and are cut to it; "
-                            "the longest has %d tokens", len(dataset.cut_lengths), len(dataset), t.max_length,
-                            max(dataset.cut_lengths))
             self.evaluation = None
             if self.p.eval_conversations:
-                held_out = TokenizedDataset(self.p.eval_conversations, chat, tokenizer.pad_token_id)
+                held_out = TokenizedDataset(self.p.eval_conversations, chat, self.tokenizer.pad_token_id)
                 self.evaluation = Evaluation(held_out, dist.world_size, dist.rank, t.per_device_batch_size)
-            batches = MicroBatches.build(
-                dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
-                t.group_by_length, t.max_length if t.packing else None,
-            )
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
@@ -381,6 +388,42 @@ class Trainer:
             log.info("global batch %d = %d ranks x micro-batch %d x %d accumulation", self.global_batch,
                      dist.world_size, self.micro, self.accumulation)
         self._loop(engine, batches, first_step, total_steps)
+
+    def _batches(self, tokenizer: Any) -> MicroBatches:
+        """The prepared store, made by local rank 0 of each node (or found: a restart, `jobgen
+        prepare`, another job), mapped by every rank; other ranks poll, not wait in a collective."""
+        t, dist = self.t, self.dist
+        preparer = self.info.local_rank == 0
+        started = time.perf_counter()
+
+        def progress_line(text: str) -> None:
+            log.info("data: %s", text)
+
+        def still_waiting(seconds: float) -> None:
+            log.info("data: waiting %.0f s for local rank 0 to prepare the store", seconds)
+
+        from jobgen.train.encode import Progress
+
+        shown = Progress(progress_line)
+
+        def progress(done: int, total: int, tokens: int) -> None:
+            self.beat.progress(done)  # a preparation longer than the start-up bound is not a hang
+            shown(done, total, tokens)
+
+        dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress if preparer else None,
+                                        waiting=still_waiting)
+        rows = dataset.packed_rows(t.max_length, t.seed, preparer) if t.packing else None
+        if dist.is_main:
+            meta = dataset.meta
+            said = {"found": "found, preparation skipped", "waited": "prepared by another process",
+                    "prepared": f"prepared here in {meta['seconds']:.1f} s with {meta['processes']} processes "
+                                f"({meta['tokens'] / max(meta['seconds'], 1e-6) / 1e6:.2f} M tokens/s)"}[outcome]
+            log.info("data: store %s (%d conversations, %d tokens): %s; ready in %.2f s", dataset.path,
+                     meta["conversations"], meta["tokens"], said, time.perf_counter() - started)
+        return MicroBatches.build(
+            dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
+            t.group_by_length, t.max_length if t.packing else None, rows,
+        )
 
     def _global_batch(self, found: Optional[ckpt.Found]) -> int:
         """The checkpoint's global batch when resuming (a run keeps its batch whatever its world

@@ -1,0 +1,84 @@
+"""`jobgen prepare JOB.yaml`: tokenize the job's data on this machine, so that its ranks start without it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from jobgen.cli.options import config_argument, resolve, set_option, site_option
+from jobgen.errors import JobgenError
+
+
+@click.command()
+@config_argument
+@site_option
+@set_option
+@click.option("--processes", "-j", type=click.IntRange(min=1), help="Tokenizing processes; default: one per CPU this command may use.")
+def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], processes: Optional[int]) -> None:
+    """Tokenize CONFIG's data into the store its job reads (training.prepared_cache, else the run
+    directory's prepared/), with a progress line. A hub model is first downloaded into the cache the
+    job's nodes use (its HF_HOME), so that they run with the hub offline. A job whose store is there skips its data
+    preparation; a store already there is kept. Paths are resolved as the job resolves them (data,
+    model and prepared_cache against environment.workdir, else this directory; the run directory
+    against this directory): run it where you run submit."""
+    resolved = resolve(config, site, overrides)
+    job = resolved.job
+    base = Path(job.environment.workdir or os.getcwd())
+    training = job.training
+    model = str(base / training.model) if (base / training.model).exists() else training.model
+    template = training.chat_template
+    if template not in (None, "chatml", "tokenizer"):  # a Jinja file, as the trainer resolves it
+        template = str((base / template).resolve())
+    training = training.model_copy(update={
+        "model": model, "data": str((base / training.data).resolve()), "chat_template": template,
+        "prepared_cache": str((base / training.prepared_cache).resolve()) if training.prepared_cache else None,
+    })
+    run_dir = str(Path(job.effective_run_dir).resolve())  # as submit makes it: against this directory
+    try:
+        from jobgen.job.hub_stage import stage_model
+        from jobgen.job.model_reference import check_model_reference
+        from jobgen.train.encode import Progress
+        from jobgen.train.modeling import load_tokenizer
+        from jobgen.train.store import ensure_store
+    except ImportError as error:
+        raise JobgenError(f"jobgen prepare tokenizes on this machine and needs the training packages ({error.name} "
+                          "is missing): pip install 'jobgen[train]'") from None
+    check_model_reference(training.model)
+    if not os.path.isdir(training.model):  # a hub name: into the nodes' cache first
+        stage_model(job, progress=lambda line: click.echo(f"jobgen: {line}", err=True))
+    started = time.monotonic()
+    tty = sys.stderr.isatty()
+    width = [0]
+
+    def show(text: str) -> None:
+        if tty:  # one line, updated in place
+            click.echo("\r" + text.ljust(width[0]), err=True, nl=False)
+            width[0] = len(text)
+        else:
+            click.echo(f"jobgen: {text}", err=True)
+
+    def waiting(seconds: float) -> None:
+        show(f"another process is preparing this store; waited {seconds:.0f} s")
+
+    dataset, outcome = ensure_store(training, run_dir, lambda: load_tokenizer(training.model, training.model_revision, trust_remote_code=training.trust_remote_code),
+                                    True, processes,
+                                    Progress(show, in_place=tty), waiting)
+    if tty and width[0]:
+        click.echo(err=True)
+    meta = dataset.meta
+    what = f"{meta['conversations']} conversations, {meta['tokens']} tokens"
+    if outcome == "prepared":
+        rate = meta["tokens"] / max(meta["seconds"], 1e-6) / 1e6
+        click.echo(f"jobgen: prepared {dataset.path} ({what}) in {meta['seconds']:.1f} s with {meta['processes']} "
+                   f"processes ({rate:.2f} M tokens/s)", err=True)
+    else:
+        click.echo(f"jobgen: {dataset.path} ({what}) was prepared already "
+                   f"{'' if outcome == 'found' else 'by another process '}; nothing to do", err=True)
+    if training.packing:
+        dataset.packed_rows(training.max_length, training.seed, preparer=True)
+    click.echo(f"jobgen: the job's ranks will map it; {time.monotonic() - started:.1f} s in all", err=True)

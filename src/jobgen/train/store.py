@@ -1,0 +1,443 @@
+"""The prepared data store: the data set tokenized once, memory-mapped by every rank.
+
+A store is a folder named by its key, the hash of everything the tokens depend on (`StoreInputs`:
+the data file's content, the tokenizer's files, the chat layout, max_length, the data format):
+
+    KEY/tokens.int32     every conversation's input ids, one after the other
+    KEY/learned.uint8    1 where the label is the token, 0 where it is -100
+    KEY/offsets.npy      int64, conversation i is tokens[offsets[i]:offsets[i+1]]
+    KEY/label_counts.npy int32, labels each conversation is trained on
+    KEY/ids.json         the conversations' ids (read only for the sample log)
+    KEY/meta.json        the inputs, counts and how long the preparation took
+    KEY/COMPLETE         written last; a folder without it is never used
+    KEY/rows-C-sSEED.npz packed rows (training.packing) of capacity C and seed SEED, added on first use
+
+The tokens do not depend on packing: packed and unpacked runs, and runs of other seeds, share
+them, and each packing is a file of its own in the store (pack_rows is a function of the
+lengths, the capacity and the seed).
+
+Written once: the preparer holds an fcntl lock on KEY.lock, writes a temporary folder and renames
+it to KEY, so a preparation killed midway leaves only a temporary folder, removed by the next
+preparer. Two preparers at once (two jobs, two nodes on a shared folder) take turns on the lock
+and the second finds the store made; where the file system has no locks, the rename alone keeps
+the store whole (the second rename finds KEY there and its copy is dropped). Inside a job, local
+rank 0 of each node is a preparer and the other ranks poll the file system until KEY is
+complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out.
+
+Where: training.prepared_cache (a site profile may set it, so that jobs share stores), else
+RUN_DIR/prepared. `jobgen prepare JOB.yaml` fills it from the login node.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+from jobgen.errors import UserError
+from jobgen.train.data import TokenDataset
+
+log = logging.getLogger("jobgen.train")
+
+STORE_VERSION = 1  # the layout above; a new layout is a new key
+# The files of a tokenizer folder that change what it encodes (transformers' names).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "vocab.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+)
+COMPLETE = "COMPLETE"
+HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
+POLL_SECONDS = 0.2
+# A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
+# nodes and file servers differ by seconds, not minutes).
+STALE_FAILURE_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class StoreInputs:
+    """Everything the tokens depend on. The key hashes every field: a new input is one new field."""
+
+    data_sha256: str
+    data_format: str
+    tokenizer_sha256: str
+    chat_template: str
+    max_length: int
+    held_out: str  # an eval_fraction's seed and fraction: those conversations are not in the store
+    version: int = STORE_VERSION
+
+
+def store_key(inputs: StoreInputs) -> str:
+    return hashlib.sha256(json.dumps(asdict(inputs), sort_keys=True).encode()).hexdigest()[:24]
+
+
+def check_data_path(path: str) -> None:
+    """Before the process group: the data file is there (its records are checked as it is tokenized)."""
+    if not os.path.exists(path):
+        raise UserError(f"training.data: file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise UserError(f"training.data: {path!r} is a directory; give a .json or .jsonl file")
+
+
+def store_folder(prepared_cache: Optional[str], run_dir: str) -> str:
+    """Where the stores of a job live: training.prepared_cache, else RUN_DIR/prepared."""
+    from jobgen.rundir.files import PREPARED
+
+    return os.path.abspath(prepared_cache) if prepared_cache else os.path.join(run_dir, PREPARED)
+
+
+def inputs_for(training: Any, folder: str) -> StoreInputs:
+    """The inputs of `training` (paths resolved); hashes of unchanged files come from the folder's cache."""
+    hashes = _HashCache(folder)
+    data = hashes.file_sha256(training.data, "training.data")
+    tokenizer = tokenizer_fingerprint(training.model, hashes)
+    hashes.save()
+    template = training.chat_template or "default"  # the tokenizer's own when it has one: in its files' hash
+    if template not in ("default", "chatml", "tokenizer"):
+        template = "file " + hashes.file_sha256(template, "training.chat_template")
+    held_out = f"{training.eval_fraction} by seed {training.seed}" if _held_out(training) else ""
+    return StoreInputs(data_sha256=data, data_format=training.data_format, tokenizer_sha256=tokenizer,
+                       chat_template=template, max_length=training.max_length, held_out=held_out)
+
+
+def _held_out(training: Any) -> bool:
+    return bool(getattr(training, "eval_fraction", 0)) and not getattr(training, "eval_data", None)
+
+
+def tokenizer_fingerprint(model: str, hashes: "_HashCache") -> str:
+    """A local model folder: its tokenizer files' contents. A hub name: the tokenizer as loaded."""
+    digest = hashlib.sha256()
+    if os.path.isdir(model):
+        for name in TOKENIZER_FILES:
+            path = os.path.join(model, name)
+            if os.path.isfile(path):
+                digest.update(f"{name}:{hashes.file_sha256(path, 'training.model')}\n".encode())
+        return digest.hexdigest()
+    from jobgen.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    digest.update(json.dumps([tokenizer.special_tokens_map, getattr(tokenizer, "chat_template", None)],
+                             sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+class _HashCache:
+    """SHA-256 of files by (path, size, mtime), kept in the store folder."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, HASHES)
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                self.entries: dict[str, str] = json.load(handle)
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    def file_sha256(self, path: str, field: str) -> str:
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            raise UserError(f"{field}: file {path!r} does not exist") from None
+        key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in self.entries:
+            digest = hashlib.sha256()
+            try:
+                with open(path, "rb") as handle:
+                    while chunk := handle.read(1 << 24):
+                        digest.update(chunk)
+            except IsADirectoryError:
+                raise UserError(f"{field}: {path!r} is a directory; give a .json or .jsonl file") from None
+            except OSError as exc:
+                raise UserError(f"{field}: cannot read {path!r}: {exc.strerror}") from None
+            self.entries[key] = digest.hexdigest()
+            self.changed = True
+        return self.entries[key]
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            temp = f"{self.path}.tmp-{socket.gethostname()}-{os.getpid()}"
+            with open(temp, "w", encoding="utf-8") as handle:
+                json.dump(self.entries, handle)
+            os.replace(temp, self.path)
+        except OSError:
+            pass  # only a cache: the next start hashes again
+
+
+# --- written once ---------------------------------------------------------------------------------
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
+
+
+def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
+                 waiting: Optional[Callable[[float], None]] = None) -> str:
+    """Make `target` (a folder or a file) with `build(temporary_path)` unless it is complete.
+    A preparer takes TARGET.lock and builds; the others poll until it is complete. Returns
+    "found", "waited" (another process made it meanwhile) or "prepared". Raises the preparer's
+    UserError on every process (from TARGET.failed)."""
+    failed = target + ".failed"
+    waited_since, started = time.monotonic(), time.time()
+    said = 0.0
+    while True:
+        if is_complete(target):
+            return "found" if time.monotonic() - waited_since < POLL_SECONDS else "waited"
+        if _failed_since(failed, started - STALE_FAILURE_SECONDS):
+            with open(failed, encoding="utf-8") as handle:
+                raise UserError(handle.read().strip())
+        if preparer:
+            with _Lock(target + ".lock") as held:
+                if held:
+                    if is_complete(target):
+                        return "waited"
+                    _build_under_lock(target, build, failed, held.exclusive)
+                    return "prepared"
+        waited = time.monotonic() - waited_since
+        if waiting and waited - said >= 60:
+            said = waited
+            waiting(waited)
+        time.sleep(POLL_SECONDS)
+
+
+def _failed_since(path: str, since: float) -> bool:
+    """A preparer's error is this start's if written after it began (an older one is redone)."""
+    try:
+        return os.stat(path).st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+def _build_under_lock(target: str, build: Callable[[str], None], failed: str, exclusive: bool) -> None:
+    folder, name = os.path.split(target)
+    if exclusive:  # nobody else writes now: leftovers of killed preparations go
+        for entry in os.listdir(folder):
+            if entry.startswith(f".tmp-{name}-"):
+                _remove(os.path.join(folder, entry))
+        if os.path.exists(target):  # incomplete: made by hand, or by a jobgen without the marker
+            _remove(target)
+    _remove(failed)
+    temp = os.path.join(folder, f".tmp-{name}-{socket.gethostname()}-{os.getpid()}")
+    try:
+        build(temp)
+    except UserError as exc:
+        _remove(temp)
+        _write_text(failed, str(exc))
+        raise
+    except BaseException:
+        _remove(temp)
+        raise
+    try:
+        os.rename(temp, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        _remove(temp)  # another preparer, without a lock, finished first: its store is as good
+    _fsync_directory(folder)
+
+
+class _Lock:
+    """An fcntl lock on a file, taken without waiting; `held` is falsy when another process has it.
+    On a file system without locks the lock is taken as held but not `exclusive`."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.fd, self.exclusive = path, -1, True
+
+    def __enter__(self) -> Optional["_Lock"]:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return None
+            self.exclusive = False  # ENOLCK and the like: no locks here
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)  # releases the lock
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def _write_text(path: str, text: str) -> None:
+    temp = f"{path}.tmp-{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    os.replace(temp, path)
+
+
+def _fsync_directory(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- mapped by every rank -------------------------------------------------------------------------
+
+
+class StoredDataset(TokenDataset):
+    """A complete store, mapped read-only: the pages are the page cache's, shared by the node's ranks."""
+
+    def __init__(self, path: str) -> None:
+        import numpy as np
+
+        self.path = path
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as handle:
+            self.meta = json.load(handle)
+        self.pad_id = int(self.meta["pad_token_id"])  # the tokenizer's, a function of its files
+        self.offsets = np.load(os.path.join(path, "offsets.npy"), mmap_mode="r")
+        # Python ints, as the per-rank path's: the loss divides by their sum.
+        self.label_counts = np.load(os.path.join(path, "label_counts.npy")).tolist()
+        total = int(self.meta["tokens"])
+        self.token_ids = _map(os.path.join(path, "tokens.int32"), np.int32, total)
+        self.learned = _map(os.path.join(path, "learned.uint8"), np.uint8, total)
+        self._lengths: Optional[list[int]] = None
+        self._ids: Optional[list[str]] = None
+
+    @property
+    def lengths(self) -> list[int]:
+        if self._lengths is None:  # a list: BatchOrder and pack_rows index it one by one
+            import numpy as np
+
+            self._lengths = np.diff(self.offsets).tolist()
+        return self._lengths
+
+    @property
+    def ids(self) -> list[str]:  # type: ignore[override]
+        if self._ids is None:  # only the sample log reads them
+            with open(os.path.join(self.path, "ids.json"), encoding="utf-8") as handle:
+                self._ids = json.load(handle)
+        return self._ids
+
+    def sample(self, index: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        ids = np.array(self.token_ids[start:end], dtype=np.int64)
+        return ids, np.where(self.learned[start:end] != 0, ids, -100)
+
+    def packed_rows(self, capacity: int, seed: int, preparer: bool) -> list[list[int]]:
+        """pack_rows' rows for this store, computed once and kept in it."""
+        import numpy as np
+
+        from jobgen.train.data import pack_rows
+
+        target = os.path.join(self.path, f"rows-{capacity}-s{seed}.npz")
+
+        def build(temp: str) -> None:
+            rows = pack_rows(self.lengths, capacity, seed)
+            flat = np.fromiter((i for row in rows for i in row), dtype=np.int64)
+            bounds = np.cumsum([0] + [len(row) for row in rows], dtype=np.int64)
+            with open(temp, "wb") as handle:  # np.savez would add ".npz" to a bare name
+                np.savez(handle, samples=flat, bounds=bounds)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        prepare_once(target, build, preparer)
+        with np.load(target) as saved:
+            flat, bounds = saved["samples"].tolist(), saved["bounds"].tolist()
+        return [flat[bounds[r]:bounds[r + 1]] for r in range(len(bounds) - 1)]
+
+
+def _map(path: str, dtype: Any, count: int) -> Any:
+    import numpy as np
+
+    if count == 0:  # mmap cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# --- filled once ----------------------------------------------------------------------------------
+
+
+def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs, processes: Optional[int] = None,
+                progress: Optional[Callable[[int, int, int], None]] = None) -> dict:
+    """The store's files in `folder` (made here), COMPLETE last; returns its meta."""
+    import numpy as np
+
+    from jobgen.train.encode import encode_all, usable_cpus
+
+    started = time.monotonic()
+    processes = processes or usable_cpus()
+    os.makedirs(folder)
+    lengths, counts = [], []
+    with open(os.path.join(folder, "tokens.int32"), "wb") as tokens, open(os.path.join(folder, "learned.uint8"), "wb") as learned:
+        for chunk in encode_all(conversations, chat, processes, progress):
+            chunk.tokens.tofile(tokens)
+            chunk.learned.tofile(learned)
+            lengths.append(chunk.lengths)
+            counts.append(chunk.label_counts)
+        for handle in (tokens, learned):
+            handle.flush()
+            os.fsync(handle.fileno())
+    lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+    offsets = np.zeros(len(lengths_all) + 1, dtype=np.int64)
+    np.cumsum(lengths_all, out=offsets[1:])
+    np.save(os.path.join(folder, "offsets.npy"), offsets)
+    np.save(os.path.join(folder, "label_counts.npy"), np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32))
+    _write_json(os.path.join(folder, "ids.json"), [c.id for c in conversations])
+    seconds = time.monotonic() - started
+    meta = {"inputs": asdict(inputs), "conversations": len(conversations), "tokens": int(offsets[-1]),
+            "pad_token_id": chat.tokenizer.pad_token_id,
+            "processes": processes, "seconds": round(seconds, 3), "host": socket.gethostname(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_json(os.path.join(folder, "meta.json"), meta)
+    _write_json(os.path.join(folder, COMPLETE), {"key": store_key(inputs)})
+    return meta
+
+
+def _write_json(path: str, payload: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], preparer: bool, processes: Optional[int] = None,
+                 progress: Optional[Callable[[int, int, int], None]] = None,
+                 waiting: Optional[Callable[[float], None]] = None) -> tuple[StoredDataset, str]:
+    """The store of `training` (paths resolved), prepared here if this process is a preparer and
+    nobody has made it, else waited for. Returns it mapped, and prepare_once's outcome.
+    `tokenizer()` gives the tokenizer; only a preparation calls it (a restart loads none here)."""
+    from jobgen.job.conversations import load_conversations
+    from jobgen.train.data import ChatTokenizer
+
+    folder = store_folder(getattr(training, "prepared_cache", None), run_dir)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"training.prepared_cache: cannot create {folder!r}: {exc.strerror}; give a folder "
+                        "you can write, or remove the field to keep the store in the run directory") from None
+    inputs = inputs_for(training, folder)
+    target = os.path.join(folder, store_key(inputs))
+
+    def build(temp: str) -> None:
+        conversations = load_conversations(training.data, training.data_format)
+        if _held_out(training):
+            from jobgen.train.evaluation import split_eval
+
+            conversations, _ = split_eval(conversations, training.eval_fraction, training.seed)
+        chat = ChatTokenizer(tokenizer(), training.max_length, training.chat_template, training.model)
+        write_store(temp, conversations, chat, inputs, processes, progress)
+
+    outcome = prepare_once(target, build, preparer, waiting)
+    return StoredDataset(target), outcome

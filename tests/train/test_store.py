@@ -1,0 +1,215 @@
+"""The prepared data store: the same tokens as the per-rank path, made once, never half-used."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import yaml
+
+from jobgen.errors import UserError
+from jobgen.job.conversations import load_conversations
+from jobgen.job.models import Training
+from jobgen.train.data import ChatTokenizer, TokenizedDataset, pack_rows
+from jobgen.train.modeling import load_tokenizer
+from jobgen.train.store import COMPLETE, ensure_store, inputs_for, store_key
+from tests.train.conftest import subprocess_env
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer(str(tiny / "model"))
+
+
+def _training(tiny, **fields) -> Training:
+    return Training(**{"model": str(tiny / "model"), "data": str(tiny / "data.json"), "max_length": 128, **fields})
+
+
+def _reference(training: Training, tokenizer) -> TokenizedDataset:
+    chat = ChatTokenizer(tokenizer, training.max_length)
+    return TokenizedDataset(load_conversations(training.data), chat, tokenizer.pad_token_id)
+
+
+def _assert_same(stored, reference) -> None:
+    assert stored.lengths == reference.lengths and stored.ids == reference.ids
+    assert stored.label_counts == reference.label_counts
+    for i in range(len(reference)):
+        ids, labels = stored.sample(i)
+        assert ids.tolist() == reference.input_ids[i] and labels.tolist() == reference.labels[i], i
+
+
+@pytest.mark.parametrize("processes,max_length", [(1, 128), (2, 128), (2, 40)])
+def test_store_holds_the_tokens_and_labels_of_the_per_rank_path(tiny, tokenizer, tmp_path, processes, max_length):
+    training = _training(tiny, max_length=max_length)
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=processes)
+    assert outcome == "prepared" and stored.path.startswith(str(tmp_path / "prepared"))
+    reference = _reference(training, tokenizer)
+    _assert_same(stored, reference)
+    # What a batch is made of, padded and packed, is the same tensors.
+    for name, tensor in reference.collate([0, 3, 7]).items():
+        assert torch.equal(stored.collate([0, 3, 7])[name], tensor), name
+    rows = pack_rows(reference.lengths, 256, seed=1)[:4]
+    for name, tensor in reference.collate_packed(rows).items():
+        assert torch.equal(stored.collate_packed(rows)[name], tensor), name
+    assert stored.packed_rows(256, 1, preparer=True)[:4] == rows
+
+
+def test_a_second_start_finds_the_store_and_a_change_of_input_makes_another(tiny, tokenizer, tmp_path):
+    training = _training(tiny)
+    first, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True)
+    assert outcome == "prepared"
+    again, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
+    assert (outcome, again.path) == ("found", first.path)
+    # The data's content, not its name or time stamp, is the key.
+    copy = tmp_path / "copy.json"
+    copy.write_bytes((tiny / "data.json").read_bytes())
+    folder = str(tmp_path / "prepared")
+    assert store_key(inputs_for(_training(tiny, data=str(copy)), folder)) == os.path.basename(first.path)
+    copy.write_text(json.dumps(json.loads(copy.read_text())[:-1]))
+    keys = {store_key(inputs_for(t, folder)) for t in (training, _training(tiny, data=str(copy)), _training(tiny, max_length=64),
+                                                      _training(tiny, data_format="sharegpt"))}
+    assert len(keys) == 4
+
+
+def test_an_incomplete_store_folder_is_never_used_and_is_made_again(tiny, tokenizer, tmp_path):
+    training = _training(tiny)
+    key = store_key(inputs_for(training, str(tmp_path / "prepared")))
+    broken = tmp_path / "prepared" / key
+    broken.mkdir(parents=True)
+    (broken / "tokens.int32").write_bytes(b"\0" * 12)  # as if written by hand, without its marker
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True)
+    assert outcome == "prepared" and (broken / COMPLETE).exists()
+    _assert_same(stored, _reference(training, tokenizer))
+
+
+def _prepare_job(tmp_path, tiny, data, **training) -> tuple:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "prep", "resources": {"nodes": 1, "gpus_per_node": 0}, "launch": {"procs_per_node": 2},
+        "training": {"model": str(tiny / "model"), "data": str(data), "max_length": 256, "prepared_cache": "stores", **training},
+    }))
+    return [sys.executable, "-m", "jobgen.cli", "prepare", str(job), "--site", "none"], subprocess_env()
+
+
+@pytest.fixture(scope="module")
+def big_data(tmp_path_factory):
+    """Enough conversations that a preparation takes a few seconds."""
+    from jobgen.train.tiny import synthetic_conversations
+
+    path = tmp_path_factory.mktemp("big") / "data.json"
+    path.write_text(json.dumps(synthetic_conversations(12_000, seed=1)))
+    return path
+
+
+def test_a_preparation_killed_midway_leaves_no_store_and_the_next_one_makes_it(tiny, tokenizer, tmp_path, big_data):
+    command, env = _prepare_job(tmp_path, tiny, big_data)
+    stores = tmp_path / "stores"
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (stores.exists() and any(p.name.startswith(".tmp-") for p in stores.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "slow"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [p for p in stores.iterdir() if p.is_dir()]
+    assert left and all(p.name.startswith(".tmp-") for p in left)  # only the temporary folder: no store
+
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "jobgen: prepared " in done.stderr and "tokenized 12000/12000 conversations (100%)" in done.stderr
+    folders = [p for p in stores.iterdir() if p.is_dir()]
+    assert len(folders) == 1 and (folders[0] / COMPLETE).exists()  # the leftover is gone
+    training = Training(model=str(tiny / "model"), data=str(big_data), max_length=256, prepared_cache=str(stores))
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
+    assert outcome == "found" and stored.path == str(folders[0])
+    _assert_same(stored, _reference(training, tokenizer))
+
+
+def test_two_preparations_at_once_make_one_good_store(tiny, tokenizer, tmp_path, big_data):
+    command, env = _prepare_job(tmp_path, tiny, big_data, packing=True)
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    said = sorted("jobgen: prepared /" in out for out in outputs)
+    assert said == [False, True], outputs  # one tokenized, the other found its store
+    assert any("was prepared already" in out for out in outputs)
+    stores = tmp_path / "stores"
+    assert [p.name for p in stores.iterdir() if p.name.startswith(".tmp-")] == []
+    training = Training(model=str(tiny / "model"), data=str(big_data), max_length=256, prepared_cache=str(stores))
+    stored, outcome = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
+    reference = _reference(training, tokenizer)
+    _assert_same(stored, reference)
+    assert stored.packed_rows(256, 42, preparer=False) == pack_rows(reference.lengths, 256, 42)
+
+
+def test_bad_data_is_one_line_for_the_preparer_and_for_every_waiting_rank(tiny, tokenizer, tmp_path):
+    data = tmp_path / "bad.json"
+    good = json.loads((tiny / "data.json").read_text())
+    data.write_text(json.dumps(good[:3] + [{"id": "x", "conversations": [{"from": "bot", "value": "hi"}]}]))
+    training = _training(tiny, data=str(data))
+    waiter_error: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=False)
+        except UserError as exc:
+            waiter_error.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    with pytest.raises(UserError, match=r"record 3 \(id 'x'\): conversations\[0\]\.from is 'bot'") as raised:
+        ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
+    waiting.join(timeout=30)
+    assert [str(e) for e in waiter_error] == [str(raised.value)]
+
+    command, env = _prepare_job(tmp_path, tiny, data)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"jobgen: error: {data}: record 3 (id 'x')")
+
+
+def test_a_job_tokenizes_once_on_its_workers_and_its_restart_finds_the_store(tiny, tools, tmp_path):
+    """2 ranks under torchrun: local rank 0 tokenizes with a worker per CPU while rank 1 polls;
+    the next start of the same run maps the store."""
+    from jobgen.train.tiny import synthetic_conversations
+
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(synthetic_conversations(600, seed=2)))  # enough chunks for the workers
+    job = tools.write_job(tmp_path / "run", tiny, data=str(data), max_steps=1, save_interval=1, lr_schedule="constant")
+    first = tools.train(job)
+    assert first.returncode == 0, first.stdout
+    assert "with 2 processes" in first.stdout and "prepared here" in first.stdout
+    raw = yaml.safe_load(job.read_text())
+    raw["training"]["max_steps"] = 2  # one more step: a resume
+    job.write_text(yaml.safe_dump(raw))
+    second = tools.train(job)
+    assert second.returncode == 0, second.stdout
+    assert "found, preparation skipped" in second.stdout and "tokenized" not in second.stdout
+    startups = [json.loads(line) for line in (job.parent / "output" / "startup.jsonl").read_text().splitlines()]
+    assert [entry["first_step"] for entry in startups] == [0, 1] and all("data" in e["seconds"] for e in startups)
+
+
+def test_another_chat_layout_is_stored_conversation_by_conversation(tiny, tokenizer, tmp_path):
+    """A layout other than ChatTokenizer's own (a subclass here) goes through its own __call__."""
+    from jobgen.train.encode import BatchChatEncoder
+
+    class Shouting(ChatTokenizer):
+        def __call__(self, conversation):
+            ids, labels = super().__call__(conversation)
+            return ids[::-1], labels[::-1]
+
+    conversations = load_conversations(str(tiny / "data.json"))[:5]
+    chunk = BatchChatEncoder(Shouting(tokenizer, 64)).encode(conversations)
+    expected = [Shouting(tokenizer, 64)(c) for c in conversations]
+    assert chunk.tokens.tolist() == [t for ids, _ in expected for t in ids]
+    assert chunk.lengths.tolist() == [len(ids) for ids, _ in expected]
+    assert chunk.label_counts.tolist() == [sum(1 for l in labels[1:] if l != -100) for _, labels in expected]
