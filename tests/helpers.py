@@ -72,3 +72,20 @@ def install_as_pip_does(package: Path, site_packages: Path) -> None:
         f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
         for group, entries in project["entry-points"].items()
     ))
+
+
+def adapter(run_dir: Path) -> dict:
+    """A run's final LoRA adapter, by tensor name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "output" / "final" / "adapter_model.safetensors"))
+
+
+def assert_bitwise_equal(run_dir: Path, reference: dict) -> None:
+    """The run's final adapter is the uninterrupted run's, bit for bit."""
+    import torch
+
+    weights = adapter(run_dir)
+    assert weights.keys() == reference.keys()
+    different = [name for name in weights if not torch.equal(weights[name], reference[name])]
+    assert not different, f"{len(different)} adapter tensors differ from the uninterrupted run, e.g. {different[0]}"

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.cluster.pbs_servers import PbsServer
+from tests.helpers import adapter, assert_bitwise_equal
 
 MAX_STEPS = 12
 SAVE_INTERVAL = 4
@@ -149,21 +150,6 @@ def trained_steps(run_dir: Path) -> list[int]:
 
 def wait_for_step(run_dir: Path, step: int) -> None:
     wait_for(lambda: any(s >= step for s in trained_steps(run_dir)), f"step {step} in {run_dir}")
-
-
-def adapter(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "output" / "final" / "adapter_model.safetensors"))
-
-
-def assert_bitwise_equal(run_dir: Path, reference: dict) -> None:
-    import torch
-
-    weights = adapter(run_dir)
-    assert weights.keys() == reference.keys()
-    different = [name for name in weights if not torch.equal(weights[name], reference[name])]
-    assert not different, f"{len(different)} adapter tensors differ from the uninterrupted run, e.g. {different[0]}"
 
 
 def status(server: PbsServer, folder: Path, target: str) -> dict:

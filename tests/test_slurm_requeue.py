@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import adapter, assert_bitwise_equal, jobgen  # noqa: F401 - adapter: also imported from here
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -119,21 +119,6 @@ def segments(run_dir: Path) -> list[dict]:
 
     events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
     return pair_segments(events)
-
-
-def adapter(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "output" / "final" / "adapter_model.safetensors"))
-
-
-def assert_bitwise_equal(run_dir: Path, reference: dict) -> None:
-    import torch
-
-    weights = adapter(run_dir)
-    assert weights.keys() == reference.keys()
-    different = [name for name in weights if not torch.equal(weights[name], reference[name])]
-    assert not different, f"{len(different)} adapter tensors differ from the uninterrupted run, e.g. {different[0]}"
 
 
 def assert_every_step_trained_once(run_dir: Path) -> None:

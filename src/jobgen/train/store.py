@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 
 from jobgen.errors import UserError
 from jobgen.train.data import TokenDataset
+from jobgen.train.exit_report import fsync_directory
 
 log = logging.getLogger("jobgen.train")
 
@@ -244,7 +245,7 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str, ex
         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
             raise
         _remove(temp)  # another preparer, without a lock, finished first: its store is as good
-    _fsync_directory(folder)
+    fsync_directory(folder)
 
 
 class _Lock:
@@ -281,14 +282,6 @@ def _write_text(path: str, text: str) -> None:
     with open(temp, "w", encoding="utf-8") as handle:
         handle.write(text + "\n")
     os.replace(temp, path)
-
-
-def _fsync_directory(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- mapped by every rank -------------------------------------------------------------------------
