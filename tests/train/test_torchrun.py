@@ -85,3 +85,17 @@ def test_this_torch_reads_the_timeout_itself() -> None:
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     assert torch_reads_shutdown_timeout() == ((major, minor) >= (2, 12))
+
+
+def test_a_failed_rank_is_one_line_not_torchruns_traceback(tmp_path: Path, tools) -> None:
+    # What a user's mistake looks like on a node: the rank prints its one-line error and exits 2;
+    # torchrun itself would add a ChildFailedError traceback of its own code under it.
+    rank = tmp_path / "rank.py"
+    rank.write_text("import sys\nsys.stderr.write('jobgen-train: error: training.data: a bad record\\n')\nsys.exit(2)\n")
+    command = [sys.executable, "-m", "jobgen.train.torchrun", "--standalone", "--nproc-per-node=1", str(rank)]
+    out = subprocess.run(command, env=tools.subprocess_env(), capture_output=True, text=True, timeout=120)
+    output = out.stdout + out.stderr
+    assert out.returncode == 1, output
+    assert "jobgen-train: error: training.data: a bad record" in output
+    assert "jobgen-torchrun: rank 0 (local rank 0, pid " in output and ") exited with status 2; its own error is above" in output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output

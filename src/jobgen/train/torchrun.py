@@ -4,8 +4,11 @@ the ranks' grace period after that signal honoured on every torch jobgen allows.
 A scheduler that preempts or cancels a job (PBS, Slurm) sends SIGTERM to every process of the
 job. torchrun forwards it to the ranks, waits for them, SIGKILLs those still running, and then
 raises its SignalException out of main, which prints a Python traceback into the node's log for
-what is a normal stop. This runs torchrun's own main and turns that exception into one line; what
-the ranks did is in RUN_DIR/trainer-exit.json, which the batch script reads.
+what is a normal stop. A rank that fails (a user's bad data, a missing file) ends in a
+ChildFailedError out of main: another traceback, of torchrun's own code, under the rank's own
+one-line error. This runs torchrun's own main and turns each into one line (exit status 1 for a
+failed rank, as torchrun's uncaught exception gave); what the ranks did is in
+RUN_DIR/trainer-exit.json, which the batch script reads.
 
 Inside a jobgen job it also runs the node's hang supervisor (jobgen.train.heartbeat): when the
 job's steps stop advancing past the bound, it dumps the ranks' stacks, ends them and this exits
@@ -62,11 +65,30 @@ def honour_shutdown_timeout(seconds: int) -> None:
     PContext.close = close_after_grace
 
 
+def failed_rank_line(failed) -> str:
+    """One line for torchrun's ChildFailedError: the first rank that failed, and how."""
+    rank, first = failed.get_first_failure()
+    how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with status {first.exitcode}"
+    others = len(failed.failures) - 1
+    more = f"; {others} more rank(s) of this node failed after it" if others else ""
+    return (f"jobgen-torchrun: rank {rank} (local rank {first.local_rank}, pid {first.pid}) {how}{more}; "
+            "its own error is above and in its rank log")
+
+
+def exit_if_hung(supervisor) -> None:
+    """Exit with EXIT_HUNG, saying why, when the hang supervisor ended the ranks."""
+    from jobgen.rundir.files import EXIT_HUNG
+
+    if supervisor is not None and supervisor.hung:
+        sys.stderr.write(f"jobgen-torchrun: the job hung: {supervisor.hung['message']}\n")
+        sys.exit(EXIT_HUNG)
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from jobgen.rundir.files import EXIT_HUNG
     from jobgen.train.heartbeat import Supervisor
 
     grace = shutdown_timeout_from_env()
@@ -78,16 +100,16 @@ def main() -> None:
     try:
         torchrun_main()
     except SignalException as stop:
-        if supervisor is not None and supervisor.hung:
-            sys.stderr.write(f"jobgen-torchrun: the job hung: {supervisor.hung['message']}\n")
-            sys.exit(EXIT_HUNG)
+        exit_if_hung(supervisor)
         name = getattr(stop.sigval, "name", str(stop.sigval))
         sys.stderr.write(f"jobgen-torchrun: {name}: the ranks were told to stop and have exited\n")
         sys.exit(128 + int(stop.sigval))
+    except ChildFailedError as failed:
+        exit_if_hung(supervisor)  # the ranks it ended: torchrun reports them failed
+        sys.stderr.write(failed_rank_line(failed) + "\n")
+        sys.exit(1)
     except BaseException:
-        if supervisor is not None and supervisor.hung:  # the ranks it ended: torchrun reports them failed
-            sys.stderr.write(f"jobgen-torchrun: the job hung: {supervisor.hung['message']}\n")
-            sys.exit(EXIT_HUNG)
+        exit_if_hung(supervisor)  # the ranks it ended: torchrun reports them failed
         raise
     finally:
         if supervisor is not None:
