@@ -255,3 +255,19 @@ def test_collective_timeout_is_whole_minutes_up_to_a_day(tmp_path: Path, minutes
                                       "training": {"model": "m", "data": "d"}}))
     result = jobgen("render", "-s", "slurm", str(config))
     assert result.returncode == 2 and f"'launch.collective_timeout_minutes' is {minutes}" in result.stderr
+
+
+def test_two_local_jobs_started_in_the_same_second_get_different_master_ports(tmp_path: Path) -> None:
+    from jobgen.schedulers.local import local_job_id
+
+    script = render(resolve_job(write_job(tmp_path / "j.yaml", cpu_job())), "local")
+    line = next(line for line in script.splitlines() if line.startswith("export MASTER_PORT="))
+
+    def port(job_id: str) -> int:
+        out = subprocess.run(["bash", "-c", f"{line}; echo $MASTER_PORT"], env={"JOBGEN_JOB_ID": job_id},
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    now = 1795544591
+    ports = {port(local_job_id(now, pid)) for pid in (4242, 4243, 31337)}
+    assert len(ports) == 3 and all(20000 <= p < 40000 for p in ports), ports

@@ -68,14 +68,17 @@ def cancel(target: str) -> None:
     each task of the array, ARRAYID_K), e.g. jobgen cancel runs/NAME; a point's folder or
     ARRAYID_K, that point alone.
     """
-    from jobgen.rundir.run import find_run
+    from jobgen.rundir.run import find_target
     from jobgen.schedulers import get_scheduler
 
     if sweep := _sweep_folder(target):
         return _cancel_sweep(sweep)
-    latest = find_run(target).latest()
+    run, job_id = find_target(target)
+    latest = run.latest()
     get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
-    click.echo(f"jobgen: cancelled job {latest['job_id']}", err=True)
+    # A requeued run goes on under a new job id (PBS, Torque): an earlier one names the run.
+    earlier = f" (the run's latest submission; {job_id} was an earlier one)" if job_id not in (None, latest["job_id"]) else ""
+    click.echo(f"jobgen: cancelled job {latest['job_id']}{earlier}", err=True)
 
 
 def _cancel_sweep(target: str) -> None:

@@ -20,6 +20,12 @@ from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
 
 
+def local_job_id(seconds: int, pid: int) -> str:
+    """The process id last: the script's automatic MASTER_PORT is the id's digits modulo 20000, so
+    two jobs started here in the same second get different ports (their pids')."""
+    return f"local-{seconds}-{pid}"
+
+
 class Local(Scheduler):
     name = "local"
     template = "local.sh.j2"
@@ -31,7 +37,7 @@ class Local(Scheduler):
     def submit(self, job: Job, script: Path, run_dir: Path) -> str:
         """Starts the script here and returns; `self.process` is it, its output a pipe that the
         caller shows (jobgen.rundir.submission, with the training's progress) until it ends."""
-        job_id = f"local-{os.getpid()}-{int(time.time())}"
+        job_id = local_job_id(int(time.time()), os.getpid())
         env = {**os.environ, "JOBGEN_JOB_ID": job_id}
         log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
