@@ -173,6 +173,8 @@ def encode_all(chunks: Iterable[Sequence[Sample]], chat: ChatTokenizer, processe
             if progress:
                 progress(done, total, tokens)
             yield chunk
+        if progress and not total:  # the count is known now: the last line says it
+            progress(done, done, tokens)
         if pool is not None:
             pool.close()  # every chunk is in: the workers end on their own
     finally:
