@@ -8,7 +8,7 @@ arrays: tokens (int32), learned (uint8, 1 where the label is the token, 0 where 
 lengths and label counts. Chunks run in worker processes, one per CPU this process may use; they
 come from the reader (jobgen.job.conversations.read_samples) a chunk at a time and go to the
 workers through the pool, so neither the preparing process nor a worker holds the data set. A
-chunk of text or pretokenized samples goes to jobgen.train.samples.SampleEncoder instead.
+chunk of text or pretokenized samples goes to SampleEncoder instead.
 
 `encode_all` is what jobgen.train.store calls to fill a store; its output equals ChatTokenizer's,
 conversation by conversation (tests/train/test_store.py checks it on the tiny tokenizer).
@@ -23,10 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, IGNORE_INDEX, Conversation, Sample, TextSample
 from jobgen.train.chat_template import CHATML
 from jobgen.train.data import ChatTokenizer
-from jobgen.train.samples import SampleEncoder, encode_texts
+from jobgen.train.samples import Piece, encode_texts, pieces, text_pieces
 
 ROLES = ("system", "user", "assistant")
 
@@ -104,6 +104,32 @@ class BatchChatEncoder:
             raise ValueError("a chat layout whose labels are not the input ids cannot be stored as a mask")
         counts = [sum(1 for l in labels[1:] if l != -100) for _, labels in pairs]
         return Chunk(tokens, learned, np.array([len(ids) for ids, _ in pairs], dtype=np.int32), np.array(counts, dtype=np.int32))
+
+
+class SampleEncoder:
+    """Text and pretokenized samples (jobgen.train.samples) into a Chunk, the texts of a chunk
+    encoded in one batch call."""
+
+    def __init__(self, chat: Any) -> None:
+        self.chat = chat
+
+    def encode(self, samples: Sequence[Sample]) -> Any:
+        import numpy as np
+
+        texts = [s.text for s in samples if isinstance(s, TextSample)]
+        encoded = iter(encode_texts(self.chat.tokenizer, texts) if texts else [])
+        found: list[Piece] = []
+        for sample in samples:
+            if isinstance(sample, TextSample):
+                found += text_pieces(sample.id, next(encoded), self.chat)
+            else:
+                found += pieces(sample, self.chat)
+        tokens = np.array([t for _, ids, _, _ in found for t in ids], dtype=np.int32)
+        flat_labels = np.array([t for _, _, labels, _ in found for t in labels], dtype=np.int64)
+        counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for _, _, labels, _ in found]
+        return Chunk(tokens, (flat_labels != IGNORE_INDEX).astype(np.uint8),
+                     np.array([len(ids) for _, ids, _, _ in found], dtype=np.int32), np.array(counts, dtype=np.int32),
+                     ids=[piece_id for piece_id, _, _, _ in found])
 
 
 # The worker processes' encoders: set before the fork, so that each worker has the loaded

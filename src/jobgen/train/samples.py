@@ -1,7 +1,7 @@
 """The non-chat formats as tokens: `text` (continued pre-training) and `pretokenized` records.
 
 A chat record is laid out by ChatTokenizer (jobgen.train.data); these are not, and land in the
-same store (tokens and a learned mask) by SampleEncoder:
+same store (tokens and a learned mask), by jobgen.train.encode.SampleEncoder:
 
 - text: the tokenizer's tokens of the text, then EOS, every one learned. A text longer than
   `max_length` is split into consecutive pieces of `max_length` tokens, each a sample of its own
@@ -17,10 +17,10 @@ same store (tokens and a learned mask) by SampleEncoder:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import IGNORE_INDEX, Conversation, Sample, TextSample, TokenSample
+from jobgen.job.conversations import Conversation, Sample, TextSample, TokenSample
 
 # (id, input_ids, labels, length before the cut)
 Piece = tuple[str, list[int], list[int], int]
@@ -71,30 +71,3 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     backend.no_truncation()
     backend.no_padding()
     return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-
-
-class SampleEncoder:
-    """Text and pretokenized samples into a store chunk (jobgen.train.encode.Chunk), the texts of
-    a chunk encoded in one batch call."""
-
-    def __init__(self, chat: Any) -> None:
-        self.chat = chat
-
-    def encode(self, samples: Sequence[Sample]) -> Any:
-        import numpy as np
-
-        from jobgen.train.encode import Chunk
-
-        texts = [s.text for s in samples if isinstance(s, TextSample)]
-        encoded = iter(encode_texts(self.chat.tokenizer, texts) if texts else [])
-        found: list[Piece] = []
-        for sample in samples:
-            if isinstance(sample, TextSample):
-                found += text_pieces(sample.id, next(encoded), self.chat)
-            else:
-                found += pieces(sample, self.chat)
-        tokens = np.array([t for _, ids, _, _ in found for t in ids], dtype=np.int32)
-        labels = np.array([t for _, _, labels, _ in found for t in labels], dtype=np.int64)
-        counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for _, _, labels, _ in found]
-        return Chunk(tokens, (labels != IGNORE_INDEX).astype(np.uint8), np.array([len(ids) for _, ids, _, _ in found], dtype=np.int32),
-                     np.array(counts, dtype=np.int32), ids=[piece_id for piece_id, _, _, _ in found])
