@@ -70,8 +70,9 @@ def source_kind(path: str) -> str:
     return "json"
 
 
-def read_chunks(path: str, size: int = CHUNK_RECORDS) -> Iterator[Chunk]:
-    """The records of `path` in order, `size` at a time (see the module docstring)."""
+def read_chunks(path: str, size: int = 0) -> Iterator[Chunk]:
+    """The records of `path` in order, `size` (CHUNK_RECORDS by default) at a time (see the module docstring)."""
+    size = size or CHUNK_RECORDS
     kind = source_kind(path)
     if kind == "json":
         yield from _json_chunks(path, size)
