@@ -58,7 +58,7 @@ def test_pretokenized_records_of_the_chat_tokens_make_the_chat_store(tiny, tmp_p
 def test_an_id_outside_the_vocabulary_is_one_line_naming_the_record(tiny, tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "ids.jsonl", [{"id": "ok", "input_ids": [1, 2]}, {"id": "far", "input_ids": [3, len(tokenizer)]}])
     with pytest.raises(UserError) as raised:
-        _store(tiny, tmp_path, tokenizer, str(path), processes=1)
+        _store(tiny, tmp_path, tokenizer, str(path), processes=2)  # raised in a worker, said in the preparer
     assert str(raised.value) == (
         f"{path}: record 1 (id 'far'): input_ids[1] is {len(tokenizer)}, but the tokenizer of {tiny / 'model'} has "
         f"{len(tokenizer)} tokens (ids 0 to {len(tokenizer) - 1}); was the data tokenized with another tokenizer?")

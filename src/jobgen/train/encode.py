@@ -225,7 +225,7 @@ def _in_order(pool: Any, chunks: Iterable[Sequence[Sample]], most: int) -> Itera
 
 
 class Progress:
-    """A progress line: conversations done, rate and time left; on a terminal one line updated in
+    """A progress line: records done, rate and time left; on a terminal one line updated in
     place, elsewhere (a log) a line every `every` seconds."""
 
     def __init__(self, write: Callable[[str], None], every: float = 10.0, in_place: bool = False) -> None:
