@@ -1,7 +1,7 @@
 """Preparing the data: the old per-rank tokenization against the prepared store, on this machine.
 
     PYTHONPATH=src python benchmarks/data_prepare.py [--conversations 100000] [--repeats 3]
-        [--old-conversations 10000] [--processes N] [--datasets]
+        [--old-conversations 10000] [--processes N] [--datasets] [--jsonl] [--variants prepare ...]
 
 Generates `--conversations` ShareGPT conversations (1 to 8 exchanges, a system prompt in one of
 four, messages of 3 to 600 words drawn log-normally, some with numbers, lists and code), a JSON
@@ -22,6 +22,10 @@ variant in a fresh process, alternating, `--repeats` times:
 With `--datasets`, also, once after the repeats, the Hugging Face `datasets` map path (Dataset.from_list of the records
 jobgen reads, then map with the same ChatTokenizer, batched, num_proc = the processes), if the
 package is installed (or in `--datasets-path`, a folder `pip install --target` filled).
+
+`--jsonl` writes the data as JSONL, which the store's preparation reads line by line (a JSON array
+is one document, parsed whole); `--variants prepare` runs the preparation alone and prints the
+peak RSS of the preparing process and of a worker.
 
 Prints one JSON line per measurement and a table of medians, with the ratios.
 """
@@ -63,10 +67,11 @@ def message(rng: random.Random) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def generate(path: Path, count: int, seed: int = 0) -> None:
+def generate(path: Path, count: int, seed: int = 0, jsonl: bool = False) -> None:
+    """A JSON array, or with `jsonl` the same records one a line."""
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as handle:
-        handle.write("[\n")
+        handle.write("" if jsonl else "[\n")
         for index in range(count):
             turns = []
             if rng.random() < 0.25:
@@ -74,7 +79,8 @@ def generate(path: Path, count: int, seed: int = 0) -> None:
             for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4, 8))):
                 turns += [{"from": "human", "value": message(rng)}, {"from": "gpt", "value": message(rng)}]
             handle.write(json.dumps({"id": f"c{index:07d}", "conversations": turns}))
-            handle.write(",\n" if index + 1 < count else "\n]\n")
+            handle.write("\n" if jsonl or index + 1 == count else ",\n")
+        handle.write("" if jsonl else "]\n")
 
 
 def memory() -> dict:
@@ -229,6 +235,9 @@ def main() -> None:
     parser.add_argument("--datasets", action="store_true")
     parser.add_argument("--datasets-path", help="a folder `pip install --target` put datasets in (kept out of this environment)")
     parser.add_argument("--workdir", help="keep the generated data here (default: a temporary folder)")
+    parser.add_argument("--jsonl", action="store_true", help="write the data as JSONL (read line by line) instead of a JSON array")
+    parser.add_argument("--variants", nargs="+", default=["old", "prepare", "restart"], choices=["old", "prepare", "restart"],
+                        help="which to run (the summary needs all three; `prepare` alone prints its peak RSS)")
     parser.add_argument("--run", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -246,11 +255,11 @@ def main() -> None:
     processes = args.processes or usable_cpus()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
-    data = work / f"data-{args.conversations}.json"
+    data = work / f"data-{args.conversations}.json{'l' if args.jsonl else ''}"
     if not data.exists():
-        generate(data, args.conversations)
+        generate(data, args.conversations, jsonl=args.jsonl)
     old_data = work / f"data-{args.old_conversations}.json"  # the same first conversations
-    if not old_data.exists():
+    if "old" in args.variants and not old_data.exists():
         generate(old_data, args.old_conversations)
     if not (work / "tiny" / "model").exists():
         build(str(work / "tiny"), conversations=16)
@@ -263,6 +272,8 @@ def main() -> None:
         for variant, run_args in (("old", (str(old_data), model, str(args.old_conversations))),
                                   ("prepare", (str(data), model, cache, str(processes))),
                                   ("restart", (str(data), model, cache))):
+            if variant not in args.variants:
+                continue
             outcome = in_process(variant, *run_args)
             outcome.update(variant=variant, repeat=repeat, load=round(os.getloadavg()[0], 1))
             print(json.dumps(outcome), flush=True)
@@ -276,6 +287,12 @@ def main() -> None:
 
     def median(variant: str, key: str) -> float:
         return statistics.median(r[key] for r in results[variant])
+
+    if set(args.variants) != {"old", "prepare", "restart"}:
+        if "prepare" in results:
+            print(f"\nmedians of {args.repeats}: preparation {median('prepare', 'seconds'):.1f} s; peak RSS of the preparing "
+                  f"process {median('prepare', 'peak_rss_mb'):.0f} MB, of a worker {median('prepare', 'worker_peak_rss_mb'):.0f} MB")
+        return
 
     old_rate, new_rate = median("old", "tokens_per_s_per_cpu"), median("prepare", "tokens_per_s_per_cpu")
     old_per_conversation = median("old", "rss_growth_mb") / median("old", "conversations")

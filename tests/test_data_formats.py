@@ -15,9 +15,12 @@ import yaml
 
 from jobgen.errors import UserError
 from jobgen.job.conversations import (
+    CHAT_FORMATS,
+    EXPECTED_FIELDS,
     FORMATS,
     MAX_PROBLEMS,
     Conversation,
+    TokenSample,
     check_conversations,
     check_conversations_head,
     load_conversations,
@@ -84,7 +87,7 @@ def test_the_job_field_offers_exactly_the_formats_read() -> None:
 
 
 @pytest.mark.parametrize("name", ["data.json", "data.jsonl"])
-@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("data_format", CHAT_FORMATS)
 def test_each_format_reads_as_the_same_conversations_detected_or_forced(tmp_path: Path, data_format: str, name: str) -> None:
     path = write(tmp_path, ITEMS[data_format], name)
     assert load_conversations(path) == EXPECTED
@@ -201,14 +204,12 @@ def test_a_file_of_mixed_formats_names_the_record_and_where_the_format_was_detec
 
 def test_a_record_of_two_formats_or_of_none_is_one_line(tmp_path: Path) -> None:
     both = {"id": "x", **SHAREGPT[1], **OPENAI[1]}
-    path = write(tmp_path, [both, {"text": "plain"}, {}])
+    path = write(tmp_path, [both, {"prompt": "plain"}, {}])
     assert problems(path) == [
         f"{path}: record 0 (id 'b'): has 'conversations' (sharegpt) and 'messages' (openai), the fields of 2 formats; "
         "set training.data_format to say which to read",
-        f"{path}: record 1: fits no format: expected 'conversations' (sharegpt), 'messages' (openai) or "
-        "'instruction' and 'output' (alpaca); it has 'text'",
-        f"{path}: record 2: fits no format: expected 'conversations' (sharegpt), 'messages' (openai) or "
-        "'instruction' and 'output' (alpaca); it has no fields",
+        f"{path}: record 1: fits no format: expected {EXPECTED_FIELDS}; it has 'prompt'",
+        f"{path}: record 2: fits no format: expected {EXPECTED_FIELDS}; it has no fields",
     ]
     # Forced, the record is read in that format; the other's fields are left alone.
     [read] = load_conversations(write(tmp_path, [both], "one.json"), "openai")
@@ -242,7 +243,7 @@ def test_validate_lists_every_bad_record_up_to_a_count_and_the_trainer_stops_at_
 
 
 @pytest.mark.parametrize("name", ["data.json", "data.jsonl"])
-@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("data_format", CHAT_FORMATS)
 def test_the_head_of_a_big_file_is_checked_in_every_format(tmp_path: Path, data_format: str, name: str) -> None:
     items = ITEMS[data_format] * 30 + [{"id": "late", "bogus": 1}]  # the mistake lies past the head
     path = write(tmp_path, items, name)
@@ -274,7 +275,7 @@ def errors_of(result) -> list[str]:
 
 
 def test_validate_reads_each_format_and_lists_the_bad_items(tmp_path: Path) -> None:
-    for data_format in FORMATS:
+    for data_format in CHAT_FORMATS:
         write(tmp_path, ITEMS[data_format], "data.jsonl")
         result = jobgen("validate", str(job_file(tmp_path)), cwd=tmp_path)
         assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
@@ -309,7 +310,9 @@ def test_the_readmes_record_of_each_format_reads_as_that_format(tmp_path: Path) 
         check = check_conversations(path)
         assert (check.format, check.problems) == (data_format, [])
         [read] = load_conversations(path)
-        assert read.system == "Be brief." and read.turns[-1][0] == "assistant"
+        if data_format in CHAT_FORMATS:
+            assert read.system == "Be brief." and read.turns[-1][0] == "assistant"
+    assert load_conversations(path) == [TokenSample("a1", (17, 42, 9, 2), (-100, -100, 9, 2))]
 
 
 def test_an_openai_assistant_message_of_weight_0_is_kept_and_marked_not_learned(tmp_path):

@@ -164,7 +164,7 @@ def test_a_big_data_file_is_checked_in_its_first_part_and_says_so(tmp_path: Path
     job = Job.model_validate(yaml.safe_load(job_file(tmp_path, data=str(data)).read_text()))
     [warning] = [w for w in preflight.check_job_files(job) if w.startswith("training.data")]  # (org/name: not cached)
     assert warning.startswith(f"training.data: '{data}' is ") and "the trainer checks them all" in warning
-    assert f"only its first {1000 // len(line)} conversations" in warning
+    assert f"only its first {1000 // len(line)} records" in warning
     data.write_text(line * 3 + "{broken\n" + line * 100)
     with pytest.raises(JobgenError, match=r"data.jsonl: line 4 is not valid JSON"):
         preflight.check_job_files(job)

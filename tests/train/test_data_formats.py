@@ -1,6 +1,8 @@
 """Each new data format trains for real: `jobgen submit --scheduler local` of the tiny model on the
 tiny conversations written as OpenAI messages (detected) and as Alpaca records (named in the job),
-a few steps each. The reading itself is tests/test_data_formats.py's."""
+their text as `text` records in a Parquet file, and their chat tokens as `pretokenized` records in
+a `datasets` save_to_disk folder listed with a JSONL file, a few steps each. The reading itself is
+tests/test_data_formats.py's and tests/test_sources.py's."""
 
 from __future__ import annotations
 
@@ -35,28 +37,65 @@ def as_alpaca(item: dict) -> dict:
     return {**record, "instruction": pairs[-1][0], "input": "", "output": pairs[-1][1], "history": pairs[:-1]}
 
 
-RUNS = {"openai-detected": ("auto", as_openai, "openai.jsonl"), "alpaca-named": ("alpaca", as_alpaca, "alpaca.json")}
+def as_text(item: dict) -> dict:
+    return {"id": item["id"], "text": "\n".join(turn["value"] for turn in item["conversations"])}
+
+
+def as_pretokenized(tokenizer):
+    from jobgen.job.conversations import Conversation
+    from jobgen.train.data import ChatTokenizer
+
+    chat = ChatTokenizer(tokenizer, 64)
+
+    def convert(item: dict) -> dict:
+        roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+        turns = tuple((roles[t["from"]], t["value"]) for t in item["conversations"] if t["from"] != "system")
+        ids, labels = chat(Conversation(item["id"], None, turns))
+        return {"id": item["id"], "input_ids": ids, "labels": labels}
+    return convert
+
+
+RUNS = {"openai-detected": ("auto", as_openai, "openai.jsonl"), "alpaca-named": ("alpaca", as_alpaca, "alpaca.json"),
+        "text-parquet": ("auto", as_text, "text.parquet"), "pretokenized-list": ("pretokenized", as_pretokenized, "saved")}
+
+
+def write_records(folder: Path, name: str, records: list) -> object:
+    """The records as the job names them: JSONL, a JSON array, Parquet, or a saved `datasets`
+    folder listed with a JSONL file of the last few."""
+    from tests.test_sources import write_jsonl, write_parquet, write_saved_dataset
+
+    if name.endswith(".jsonl"):
+        write_jsonl(folder / name, records)
+    elif name.endswith(".parquet"):
+        write_parquet(folder / name, records)
+    elif name == "saved":
+        write_saved_dataset(folder / name, records[:-8])
+        write_jsonl(folder / "rest.jsonl", records[-8:])
+        return [name, "rest.jsonl"]
+    else:
+        (folder / name).write_text(json.dumps(records))
+    return name
 
 
 @pytest.fixture(scope="module")
 def runs(tiny: Path, tmp_path_factory) -> dict:
     """Both runs, started together (most of each is start-up, and CI time is short)."""
+    from jobgen.train.modeling import load_tokenizer
+
     items = json.loads((tiny / "data.json").read_text())
+    tokenizer = load_tokenizer(str(tiny / "model"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_PG_TIMEOUT_MINUTES": "3"}
     started = {}
     for run, (data_format, convert, name) in RUNS.items():
         folder = tmp_path_factory.mktemp(run)
-        converted = [convert(item) for item in items]
-        if name.endswith(".jsonl"):
-            (folder / name).write_text("".join(json.dumps(item) + "\n" for item in converted))
-        else:
-            (folder / name).write_text(json.dumps(converted))
+        convert = convert(tokenizer) if convert is as_pretokenized else convert
+        data = write_records(folder, name, [convert(item) for item in items])
         job = {
             "name": run,
             "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
             # Two local jobs started in the same second would derive the same port from their ids.
             "launch": {"procs_per_node": 1, "master_port": free_port()},
-            "training": {"model": str(tiny / "model"), "data": name, "data_format": data_format, "method": "lora",
+            "training": {"model": str(tiny / "model"), "data": data, "data_format": data_format, "method": "lora",
                          "precision": "fp32", "per_device_batch_size": 2, "max_length": 64, "max_steps": STEPS,
                          "save_interval": 100, "lora": {"r": 4, "alpha": 8}},
         }
@@ -72,8 +111,9 @@ def runs(tiny: Path, tmp_path_factory) -> dict:
 def test_a_new_format_trains_on_the_local_scheduler(tiny: Path, runs: dict, run: str) -> None:
     folder, output, returncode = runs[run]
     data_format, _, name = RUNS[run]
-    # The same conversations as the ShareGPT original: the trainer sees no difference.
-    assert load_conversations(str(folder / name), data_format) == load_conversations(str(tiny / "data.json"))
+    if data_format in ("auto", "alpaca") and not name.endswith(".parquet"):
+        # The same conversations as the ShareGPT original: the trainer sees no difference.
+        assert load_conversations(str(folder / name), data_format) == load_conversations(str(tiny / "data.json"))
     assert returncode == 0, output
     run_dir = folder / "runs" / run
     metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]

@@ -124,7 +124,7 @@ def test_a_preparation_killed_midway_leaves_no_store_and_the_next_one_makes_it(t
 
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "jobgen: prepared " in done.stderr and "tokenized 12000/12000 conversations (100%)" in done.stderr
+    assert "jobgen: prepared " in done.stderr and "tokenized 12000/12000 records (100%)" in done.stderr
     folders = [p for p in stores.iterdir() if p.is_dir()]
     assert len(folders) == 1 and (folders[0] / COMPLETE).exists()  # the leftover is gone
     training = Training(model=str(tiny / "model"), data=str(big_data), max_length=256, prepared_cache=str(stores))

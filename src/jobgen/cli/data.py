@@ -1,8 +1,9 @@
 """`jobgen data JOB.yaml --show N`: the first N conversations as the model will see them.
 
 What a user checks before spending GPU hours: the exact text of each sample after the chat
-template, with the tokens it learns from marked, from the trainer's own tokenization
-(jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
+template (or, for text and pretokenized data, as jobgen.train.samples makes it: a long text's
+pieces, EOS at the end), with the tokens it learns from marked, from the trainer's own
+tokenization (jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
 object a line. Reads the tokenizer (not the weights), so it needs transformers where it runs.
 """
 
@@ -28,11 +29,15 @@ LEARNED_START, LEARNED_END = "\u27e6", "\u27e7"  # ⟦ ⟧: rare in text, so a m
 @click.option("--json", "as_json", is_flag=True, help="Print each sample's input_ids and labels as one JSON object a line.")
 def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: int, as_json: bool) -> None:
     """Show the first samples of CONFIG's data as the model will see them, learned tokens marked."""
-    from jobgen.job.conversations import load_conversations
+    from itertools import islice
+
+    from jobgen.job.conversations import read_samples
     from jobgen.job.preflight import working_directory
+    from jobgen.job.sources import data_paths
     from jobgen.train.chat_template import CHATML, TOKENIZER
     from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
     from jobgen.train.modeling import load_tokenizer
+    from jobgen.train.samples import pieces
 
     job = resolve(config, site, overrides).job
     training, base = job.training, working_directory(job)  # paths as the nodes resolve them
@@ -41,21 +46,22 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     template = training.chat_template
     if template not in (None, CHATML, TOKENIZER):
         template = os.path.join(base, template)
-    conversations = load_conversations(os.path.join(base, training.data), training.data_format)[:count]
     tokenizer = load_tokenizer(model, training.model_revision, trust_remote_code=training.trust_remote_code)
     chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
+    paths = [os.path.join(base, path) for path in data_paths(training.data)]
+    # Read only as far as the samples shown: the first chunk of the first file, usually.
+    records = (sample for chunk in read_samples(paths, training.data_format) for sample in chunk)
+    samples = list(islice((piece for record in records for piece in pieces(record, chat)), count))
     if not as_json:
-        click.echo(f"# {len(conversations)} sample(s) in {chat.template_name}; learned tokens are between "
+        click.echo(f"# {len(samples)} sample(s) in {chat.template_name}; learned tokens are between "
                    f"{LEARNED_START} and {LEARNED_END}")
-    for conversation in conversations:
-        whole, _ = chat.uncut(conversation)
-        ids, labels = chat(conversation)
+    for sample_id, ids, labels, length in samples:
         if as_json:
-            click.echo(json.dumps({"id": conversation.id, "input_ids": ids, "labels": labels}))
+            click.echo(json.dumps({"id": sample_id, "input_ids": ids, "labels": labels}))
             continue
         learned = [label != IGNORE_INDEX for label in labels]
-        cut = f" (cut from {len(whole)} to max_length)" if len(whole) > len(ids) else ""
-        click.echo(f"# sample {conversation.id!r}: {len(ids)} tokens{cut}, {sum(learned)} learned")
+        cut = f" (cut from {length} to max_length)" if length > len(ids) else ""
+        click.echo(f"# sample {sample_id!r}: {len(ids)} tokens{cut}, {sum(learned)} learned")
         click.echo(marked_text(chat.tokenizer, ids, learned))
 
 

@@ -132,13 +132,17 @@ def planned_steps(job) -> str:
 
     from jobgen.job.conversations import check_conversations
     from jobgen.job.preflight import CHECK_WHOLE_BYTES, working_directory
+    from jobgen.job.sources import data_paths
 
     t = job.training
     if t.max_steps is not None:
         total, how = t.max_steps, f"{t.max_steps} steps (max_steps)"
     else:
-        path = os.path.join(working_directory(job), t.data)
-        if t.packing or not os.path.isfile(path) or os.path.getsize(path) > CHECK_WHOLE_BYTES:
+        paths = [os.path.join(working_directory(job), path) for path in data_paths(t.data)]
+        path = paths[0]
+        # Packed rows, and the pieces of long texts, are counted by tokenizing; a big file is not read here.
+        if (t.packing or t.data_format == "text" or len(paths) > 1 or not os.path.isfile(path)
+                or os.path.getsize(path) > CHECK_WHOLE_BYTES):
             return f"{t.epochs} epoch(s) (steps known once the data is tokenized)"
         per_epoch = math.ceil(check_conversations(path, t.data_format).good / job.global_batch)
         total, how = per_epoch * t.epochs, f"{t.epochs} epoch(s) x {per_epoch} steps = {per_epoch * t.epochs} steps"
@@ -213,7 +217,8 @@ def submit(
 def _check_point_files(base, points) -> None:
     """The files of points that sweep them (training.data, training.model and its revision), once per new set."""
     def files(training) -> tuple:
-        return training.data, training.model, training.model_revision, training.data_format
+        data = training.data if isinstance(training.data, str) else tuple(training.data)
+        return data, training.model, training.model_revision, training.data_format
 
     checked = {files(base.job.training)}
     for resolved in points:

@@ -5,7 +5,8 @@
     sites.py            site profiles: where they are found, their defaults and limits
     sweep.py            a sweep: --sweep and --sweep-file read into points, each point's name and job
     yamlfile.py         reading a user's YAML file; textfile.py: a file that is not UTF-8
-    conversations.py    reading and checking the training data (the trainer reads it with this)
+    sources.py          the data files (JSON, JSONL, Parquet, a datasets folder), read a chunk at a time
+    conversations.py    each record checked and made a sample, in its format (the trainer reads it with this)
     model_reference.py  training.model: a local folder or a hub name
     hub_cache.py        a hub model in the Hugging Face cache the nodes use; hub_stage.py: staging it there
     preflight.py        what the login node can check of the job's files before the queue

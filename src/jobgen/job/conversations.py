@@ -1,47 +1,59 @@
-"""Conversation data as a user gives it: read, and every record checked, without torch.
+"""Training data as a user gives it: every record read and checked, without torch.
 
-A file is a JSON array or JSONL of records in one of these formats (`training.data_format`, `auto`
-by default, detects it from the records' fields; `sharegpt`, `openai` or `alpaca` forces it):
+The files (`training.data`: one path or a list, read in order; JSON, JSONL, Parquet or a saved
+`datasets` folder) are jobgen.job.sources'; here each record becomes a sample. A record is in one
+of these formats (`training.data_format`, `auto` by default, detects it from the records' fields;
+a name forces it):
 
-    sharegpt  {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
-               "system": "optional"}   `from`: human or user, gpt or assistant, system
-    openai    {"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}]}
-    alpaca    {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}
+    sharegpt      {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
+                   "system": "optional"}   `from`: human or user, gpt or assistant, system
+    openai        {"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}]}
+    alpaca        {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}
+    text          {"text": "..."}   continued pre-training: every token learned
+    pretokenized  {"input_ids": [...], "labels": [...] optional}   labels: -100 (not learned) or
+                  the input id at that position (the model shifts them); without labels, all learned
 
-Each becomes a Conversation: the record's system prompt (None when it gives none: the chat
-layout decides, and jobgen's ChatML writes DEFAULT_SYSTEM_PROMPT) and the user and assistant
+The chat formats become a Conversation: the record's system prompt (None when it gives none: the
+chat layout decides, and jobgen's ChatML writes DEFAULT_SYSTEM_PROMPT) and the user and assistant
 turns in order. Alpaca's user turn is the instruction, a blank line and the
 input (the instruction alone when the input is empty), as the Alpaca template joins them; its
 assistant turn is the output (LLaMA-Factory's `history`, earlier [instruction, output] pairs,
 comes first). Tool turns, tool calls and tool definitions are refused: the ChatML layout the
-trainer writes (jobgen.train.data) has no place for them yet.
+trainer writes (jobgen.train.data) has no place for them yet. `text` becomes a TextSample and
+`pretokenized` a TokenSample; how they become tokens (a long text split, ids checked against the
+vocabulary) is jobgen.train.samples'.
 
 Auto-detection: a record is in the format whose field it has (`conversations`, `messages`,
-`instruction`); the file is in the format of its first record that has exactly one. A record with
-the fields of two formats, a record of another format than the file's (one format per file) and a
-record with none are refused. Every problem is one line naming the file, the record index (and
-id) and the field, and where the file's format matters, which record it was detected from.
+`instruction`, `text`, `input_ids`); a file is in the format of its first record that has exactly
+one, each file on its own. A record with the fields of two formats, a record of another format
+than its file's (one format per file) and a record with none are refused. Every problem is one
+line naming the file, the record index in it (and id) and the field, and where the file's format
+matters, which record it was detected from.
 
-The trainer reads the whole file and stops at the first problem (load_conversations); the login
-node's checks (`jobgen validate`, jobgen.job.preflight) list every bad record, up to a count
-(check_conversations), of the whole file or, for a big one, of the records in its first part.
+The trainer reads the files a chunk at a time and stops at the first problem (read_samples); the
+login node's checks (`jobgen validate`, jobgen.job.preflight) list every bad record, up to a count
+(check_conversations, file by file), of the whole file or, for a big JSON one, of the records in
+its first part.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from jobgen.errors import UserError
+from jobgen.job.sources import CHUNK_RECORDS, Chunk, Unreadable, data_paths, jsonl_chunks, not_json, read_chunks, source_kind
 from jobgen.job.textfile import file_not_utf8_message
 
 ROLES = ("user", "assistant", "system")  # what a Conversation holds: user and assistant turns, a system prompt
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-FORMATS = ("sharegpt", "openai", "alpaca")  # training.data_format: these, or auto
+FORMATS = ("sharegpt", "openai", "alpaca", "text", "pretokenized")  # training.data_format: these, or auto
+CHAT_FORMATS = FORMATS[:3]  # those read as a Conversation, laid out by the chat template
 # The field a record of each format has, by which it is detected.
-FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction"}
+FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction", "text": "text",
+                 "pretokenized": "input_ids"}
+IGNORE_INDEX = -100  # a label not learned, as transformers' loss reads it
 # ShareGPT's `from` as its writers spell it (the original ShareGPT dumps, FastChat, LLaMA-Factory).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 OPENAI_ROLES = ("system", "user", "assistant")
@@ -57,6 +69,27 @@ class Conversation:
     system: Optional[str]  # None: the record gives none
     turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
     unlearned: tuple[int, ...] = ()  # indices into turns of assistant turns not learned (OpenAI weight 0)
+
+
+@dataclass(frozen=True)
+class TextSample:
+    """A `text` record: continued pre-training on the text (its tokens and EOS, all learned)."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """A `pretokenized` record: the ids as given; labels None: every token is learned."""
+
+    id: str
+    input_ids: tuple[int, ...]
+    labels: Optional[tuple[int, ...]] = None
+    source: str = field(default="", compare=False)  # "FILE: record 3 (id 'x')", for an error found at tokenizing
+
+
+Sample = Union[Conversation, TextSample, TokenSample]
 
 
 @dataclass
@@ -84,42 +117,60 @@ class DataCheck:
         ]
 
 
-def load_conversations(path: str, data_format: str = "auto") -> list[Conversation]:
-    """Read and check every record; raises UserError naming the first problem found (the trainer)."""
-    records = _parse(path, _read_text(path))
-    if not records:
-        raise UserError(f"{path}: no conversations in the file")
-    fmt = _file_format(records, data_format)
-    conversations = []
-    for index, record in enumerate(records):
-        result = _read_record(path, index, record, fmt)
-        if isinstance(result, _Problem):
-            raise UserError(result.message)
-        conversations.append(result)
-    return conversations
+def read_samples(data: Union[str, Sequence[str]], data_format: str = "auto") -> Iterator[list[Sample]]:
+    """The samples of every file of `data` in order, a chunk at a time (jobgen.job.sources: a
+    JSONL, Parquet or Arrow file is never held whole); raises UserError naming the first problem
+    found (the trainer). Each file's format is detected on its own."""
+    paths = data_paths(data)
+    for path in paths:
+        any_record = False
+        for fmt, chunk in _formatted_chunks(path, data_format):
+            samples = []
+            for index, record in chunk:
+                any_record = True
+                result = _read_record(path, index, record, fmt)
+                if isinstance(result, Unreadable):
+                    raise UserError(result.message)
+                samples.append(result)
+            yield samples
+        if not any_record:
+            raise UserError(f"{path}: no records in the file")
+
+
+def load_conversations(data: Union[str, Sequence[str]], data_format: str = "auto") -> list[Sample]:
+    """read_samples' samples in one list: for small data (an eval set, a test)."""
+    return [sample for chunk in read_samples(data, data_format) for sample in chunk]
 
 
 def check_conversations(
     path: str, data_format: str = "auto", max_chars: int = -1, max_problems: int = MAX_PROBLEMS
 ) -> DataCheck:
-    """load_conversations' checks, going on past a bad record to list every one (up to `max_problems`,
-    the rest counted). With `max_chars`, only the records that begin and end in the file's first
-    `max_chars` characters are read, for a file too big to read whole where it is checked. A
-    problem with the file itself (missing, not UTF-8, not a JSON array) is a UserError."""
-    text = _read_text(path, max_chars)
-    records = _parse(path, text) if max_chars < 0 else _parse_head(path, text)
-    fmt = _file_format(records, data_format)
-    check = DataCheck(records=len(records), format=fmt.name, format_source=fmt.source)
-    if not records and max_chars < 0:
-        check.problems.append(f"{path}: no conversations in the file")
-    for index, record in enumerate(records):
-        result = _read_record(path, index, record, fmt)
-        if not isinstance(result, _Problem):
-            check.good += 1
-        elif len(check.problems) < max_problems:
-            check.problems.append(result.message)
-        else:
-            check.more_problems += 1
+    """load_conversations' checks on one file, going on past a bad record to list every one (up to
+    `max_problems`, the rest counted). With `max_chars`, only the records of a JSON or JSONL file
+    that begin and end in its first `max_chars` characters are read, for a file too big to read
+    whole where it is checked. A problem with the file itself (missing, not UTF-8, not a JSON
+    array) is a UserError."""
+    if max_chars >= 0 and source_kind(path) == "json":
+        records = _parse_head(path, _read_text(path, max_chars))
+        formatted = [(_file_format(records, data_format), list(enumerate(records)))]
+    else:
+        formatted = _formatted_chunks(path, data_format)
+    check = DataCheck()
+    for fmt, chunk in formatted:
+        check.format, check.format_source = fmt.name, fmt.source
+        for index, record in chunk:
+            check.records += 1
+            result = _read_record(path, index, record, fmt)
+            if not isinstance(result, Unreadable):
+                check.good += 1
+            elif len(check.problems) < max_problems:
+                check.problems.append(result.message)
+            else:
+                check.more_problems += 1
+    if check.format is None and data_format != "auto":
+        check.format, check.format_source = data_format, f"training.data_format is {data_format}"
+    if not check.records and max_chars < 0:
+        check.problems.append(f"{path}: no records in the file")
     return check
 
 
@@ -135,18 +186,36 @@ def check_conversations_head(path: str, max_chars: int, data_format: str = "auto
 # --- reading the file -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """A record that cannot be read (a JSONL line that is not JSON, or a record that fails a check)."""
-
-    message: str
+def _formatted_chunks(path: str, data_format: str) -> Iterator[tuple["_FileFormat", Chunk]]:
+    """The chunks of `path` with the file's format. Chunks are held only until a record tells the
+    format (the first, in a good file)."""
+    if data_format != "auto":
+        fmt = _file_format([], data_format)
+        for chunk in read_chunks(path):
+            yield fmt, chunk
+        return
+    held: list[Chunk] = []
+    fmt: Optional[_FileFormat] = None
+    seen = 0
+    for chunk in read_chunks(path):
+        if fmt is None:
+            found = _file_format([record for _, record in chunk], "auto", seen)
+            seen += len(chunk)
+            held.append(chunk)
+            if found.name is None:
+                continue
+            fmt = found
+            for old in held:
+                yield fmt, old
+            held = []
+        else:
+            yield fmt, chunk
+    for old in held:  # no record fits exactly one format
+        yield _FileFormat(None, False, ""), old
 
 
 def _read_text(path: str, max_chars: int = -1) -> str:
-    if not os.path.exists(path):
-        raise UserError(f"training.data: file {path!r} does not exist")
-    if os.path.isdir(path):
-        raise UserError(f"training.data: {path!r} is a directory; give a .json or .jsonl file")
+    source_kind(path)  # missing, or a folder: one line
     try:
         with open(path, encoding="utf-8") as handle:
             return handle.read(max_chars)
@@ -156,34 +225,13 @@ def _read_text(path: str, max_chars: int = -1) -> str:
         raise UserError(f"training.data: cannot read {path!r}: {exc.strerror}") from None
 
 
-def _parse(path: str, text: str) -> list[Any]:
-    """The records of a JSON array (a UserError if it is not valid JSON), or of JSONL, where a line
-    that is not JSON is a _Problem in its place, so the lines after it are checked too."""
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise _not_json(path, exc) from None
-        return records
-    records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except (ValueError, RecursionError) as exc:
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else _reason(exc)
-            message = f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line"
-            if not records:  # not JSONL at all (a JSON object over several lines, say): one line, not one per line
-                raise UserError(message) from None
-            records.append(_Problem(message))
-    return records
-
-
 def _parse_head(path: str, text: str) -> list[Any]:
-    """_parse on the start of a file, leaving out the record that the cut splits."""
+    """The records of the start of a file, leaving out the record that the cut splits."""
     if not text.lstrip().startswith("["):
-        return _parse(path, text[: text.rfind("\n") + 1])
+        import io
+
+        body = text[: text.rfind("\n") + 1]
+        return [record for chunk in _jsonl_records(path, io.StringIO(body)) for _, record in chunk]
     decoder = json.JSONDecoder()
     records: list[Any] = []
     position = text.index("[") + 1
@@ -198,35 +246,26 @@ def _parse_head(path: str, text: str) -> list[Any]:
             # cut itself; a real one there is left to the trainer, which reads the whole file.
             if len(text) - exc.pos <= 8 or exc.msg.startswith("Unterminated string"):
                 return records
-            raise _not_json(path, exc) from None
+            raise not_json(path, exc) from None
         except (ValueError, RecursionError) as exc:
-            raise _not_json(path, exc) from None
+            raise not_json(path, exc) from None
         records.append(record)
         position = _skip_json_space(text, position)
         if position == len(text) or text[position] == "]":
             return records
         if text[position] != ",":
-            raise _not_json(path, json.JSONDecodeError("Expecting ',' delimiter", text, position))
+            raise not_json(path, json.JSONDecodeError("Expecting ',' delimiter", text, position))
         position += 1
+
+
+def _jsonl_records(path: str, lines: Any) -> Iterator[Chunk]:
+    return jsonl_chunks(path, lines, CHUNK_RECORDS)
 
 
 def _skip_json_space(text: str, position: int) -> int:
     while position < len(text) and text[position] in " \t\n\r":
         position += 1
     return position
-
-
-def _not_json(path: str, exc: Exception) -> UserError:
-    if isinstance(exc, json.JSONDecodeError):
-        return UserError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
-    return UserError(f"{path}: not valid JSON: {_reason(exc)}")
-
-
-def _reason(exc: Exception) -> str:
-    # json raises RecursionError past ~1000 levels and ValueError for a number of over 4300 digits.
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return str(exc).split(";")[0]
 
 
 # --- the format: forced, or detected from the records ---------------------------------------------
@@ -245,12 +284,13 @@ class _FileFormat:
         return f"the file is {self.name}, {self.source}"
 
 
-def _file_format(records: list[Any], data_format: str) -> _FileFormat:
+def _file_format(records: list[Any], data_format: str, first: int = 0) -> _FileFormat:
+    """The format of a file whose records `records` are, the first being record `first`."""
     if data_format != "auto":
         if data_format not in FORMATS:  # the job model allows only these; a direct caller may not
             raise UserError(f"training.data_format is {data_format!r}; expected auto or one of {', '.join(FORMATS)}")
         return _FileFormat(data_format, True, f"training.data_format is {data_format}")
-    for index, record in enumerate(records):
+    for index, record in enumerate(records, start=first):
         fits = _formats_of(record)
         if len(fits) == 1:
             return _FileFormat(fits[0], False, f"detected from {_label(index, record)}")
@@ -282,7 +322,8 @@ def _keys_of(record: dict) -> str:
     return f"; it has {', '.join(keys)}{', ...' if len(record) > 6 else ''}"
 
 
-EXPECTED_FIELDS = "'conversations' (sharegpt), 'messages' (openai) or 'instruction' and 'output' (alpaca)"
+EXPECTED_FIELDS = ("'conversations' (sharegpt), 'messages' (openai), 'instruction' and 'output' (alpaca), "
+                   "'text' (text) or 'input_ids' (pretokenized)")
 
 
 # --- one record -----------------------------------------------------------------------------------
@@ -292,16 +333,16 @@ class _Bad(Exception):
     """A check failed; the message is the whole line."""
 
 
-def _read_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Union[Conversation, _Problem]:
-    if isinstance(record, _Problem):
+def _read_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Union[Sample, Unreadable]:
+    if isinstance(record, Unreadable):
         return record
     try:
         return _check_record(path, index, record, fmt)
     except _Bad as bad:
-        return _Problem(str(bad))
+        return Unreadable(str(bad))
 
 
-def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Conversation:
+def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Sample:
     where = f"{path}: record {index}"
     if not isinstance(record, dict):
         expected = f"an object with '{FORMAT_FIELDS[fmt.name]}'" if fmt.name else f"an object with {EXPECTED_FIELDS}"
@@ -312,6 +353,10 @@ def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Conve
         raise _Bad(f"{where}: 'id' must be a string or an integer, got {type(raw_id).__name__}")
     where = f"{path}: {_label(index, record)}"
     kind = _kind_of(where, record, fmt)
+    if kind == "text":
+        return TextSample(id=str(raw_id), text=_text(where, record))
+    if kind == "pretokenized":
+        return TokenSample(str(raw_id), *_pretokenized(where, record), source=where)
     unlearned: tuple[int, ...] = ()
     if kind == "sharegpt":
         system, turns = _sharegpt(where, record)
@@ -476,6 +521,41 @@ def _alpaca(where: str, record: dict) -> tuple[Optional[str], Turns]:
     prompt = "\n\n".join(text for text in (instruction, extra) if text)
     checked += [("user", prompt), ("assistant", output)]
     return system, checked
+
+
+def _text(where: str, record: dict) -> str:
+    text = record["text"]
+    if not isinstance(text, str):
+        raise _Bad(f"{where}: 'text' must be a string, got {type(text).__name__}")
+    if not text:
+        raise _Bad(f"{where}: 'text' is empty, so nothing to learn from it")
+    return text
+
+
+def _token_ids(where: str, record: dict, name: str, allowed: str) -> tuple[int, ...]:
+    value = _list_field(where, record, name)
+    for position, token in enumerate(value):
+        if not isinstance(token, int) or isinstance(token, bool) or (token < 0 and not (name == "labels" and token == IGNORE_INDEX)):
+            raise _Bad(f"{where}: {name}[{position}] is {_short(token)}; expected {allowed}")
+    return tuple(value)
+
+
+def _pretokenized(where: str, record: dict) -> tuple[tuple[int, ...], Optional[tuple[int, ...]]]:
+    """input_ids, and labels if given: -100 (not learned) or the input id at that position (the
+    model shifts them itself, as transformers' causal LMs do)."""
+    ids = _token_ids(where, record, "input_ids", "a token id (an integer of at least 0)")
+    if record.get("labels") is None:
+        return ids, None
+    labels = _token_ids(where, record, "labels", "-100 or the input id at that position")
+    if len(labels) != len(ids):
+        raise _Bad(f"{where}: 'labels' has {len(labels)} entries and 'input_ids' {len(ids)}; give one label per input id")
+    for position, (token, label) in enumerate(zip(ids, labels)):
+        if label != IGNORE_INDEX and label != token:
+            raise _Bad(f"{where}: labels[{position}] is {label}, but input_ids[{position}] is {token}; a label is -100 "
+                       "(not learned) or the input id itself (the model shifts labels; do not shift them)")
+    if all(label == IGNORE_INDEX for label in labels):
+        raise _Bad(f"{where}: every label is -100, so nothing to learn from it")
+    return ids, labels
 
 
 def _short(value: Any) -> str:

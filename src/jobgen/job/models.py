@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -402,12 +402,16 @@ class Training(_Strict):
         description="a hub model's branch, tag or 40-character commit (a commit pins it); ignored for a local folder. "
         "Staged in the nodes' cache (`jobgen prepare`), the nodes load it with the hub offline",
     )
-    data: str = Field(..., description="JSON array or JSONL of conversations")
-    data_format: Literal["auto", "sharegpt", "openai", "alpaca"] = Field(
+    data: Union[str, list[str]] = Field(
+        ..., description="the training records: a path, or a list of paths read in order; each a JSON array, JSONL, "
+        ".parquet file or a folder written by datasets' save_to_disk",
+    )
+    data_format: Literal["auto", "sharegpt", "openai", "alpaca", "text", "pretokenized"] = Field(
         "auto",
         description="the records' format: sharegpt ({'conversations': [{'from', 'value'}]}), openai ({'messages': "
-        "[{'role', 'content'}]}) or alpaca ({'instruction', 'input', 'output'}); auto detects it from the records' "
-        "fields (one format per file)",
+        "[{'role', 'content'}]}), alpaca ({'instruction', 'input', 'output'}), text ({'text'}: continued "
+        "pre-training) or pretokenized ({'input_ids', 'labels'}); auto detects it from the records' fields, file by "
+        "file (one format per file)",
     )
     trust_remote_code: bool = Field(
         False,
@@ -421,8 +425,8 @@ class Training(_Strict):
         "where its tokenizer has one), chatml (<|im_start|>role ... <|im_end|>, the default where it has none) or "
         "the path of a Jinja file. The assistant's part (its words and end of turn) is what is learned",
     )
-    eval_data: Optional[str] = Field(
-        None, description="held-out conversations (a file as training.data) whose loss is measured every eval_interval steps",
+    eval_data: Optional[Union[str, list[str]]] = Field(
+        None, description="held-out records (files as training.data) whose loss is measured every eval_interval steps",
     )
     eval_fraction: float = Field(
         0.0, ge=0, lt=1,
@@ -504,6 +508,9 @@ class Training(_Strict):
             raise ValueError("training.warmup_steps and training.warmup_ratio are both set; give one")
         if self.eval_data and self.eval_fraction:
             raise ValueError("training.eval_data and training.eval_fraction are both set; give one")
+        for name in ("data", "eval_data"):
+            if getattr(self, name) == []:
+                raise ValueError(f"training.{name} is an empty list; give a path or a list of paths")
         return self
 
     def warmup_of(self, total_steps: int) -> int:

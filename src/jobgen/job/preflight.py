@@ -3,19 +3,21 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
 
 - Paths are resolved as the nodes resolve them: relative to `environment.workdir`, else to the
   directory jobgen runs in (the submit directory).
-- `training.data` must read as the trainer reads it, in `training.data_format`, with the trainer's
-  own code (jobgen.job.conversations); every bad record is listed, one line each, up to
-  MAX_PROBLEMS (the rest are counted), where the trainer stops at the first. A file of up to
-  CHECK_WHOLE_BYTES is checked whole (under a second here); of a bigger one, only the
-  conversations in its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB
-  file must not hold the login node for minutes.
+- Each file of `training.data` and `training.eval_data` must read as the trainer reads it, in
+  `training.data_format`, with the trainer's own code (jobgen.job.conversations); every bad
+  record of every file is listed, one line each, up to MAX_PROBLEMS in all (the rest are
+  counted), where the trainer stops at the first. A JSON or JSONL file of up to
+  CHECK_WHOLE_BYTES is checked whole (under a second here); of a bigger one, only the records in
+  its first CHECK_WHOLE_BYTES characters, and a warning says so: a multi-GB file must not hold
+  the login node for minutes. Parquet files and saved `datasets` folders are checked whole, a
+  record batch at a time.
 - `training.model`, when the trainer takes it for a local folder (jobgen.train.modeling's rule),
   must be a folder with config.json, and that config (or a hub name's, in this machine's Hugging
   Face cache) must be one the job can load (jobgen.job.model_config: its model type, its own code
   and training.trust_remote_code, a pre-quantized checkpoint and the packages it needs). A hub
   name that is not complete in the cache the nodes use (jobgen.job.hub_cache) is a warning:
   nodes with internet download it, others cannot.
-- `training.chat_template`, when it names a Jinja file, and `training.eval_data` must exist.
+- `training.chat_template`, when it names a Jinja file, must exist.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -55,32 +57,56 @@ def working_directory(job: Job) -> str:
     return os.path.abspath(job.environment.workdir or os.getcwd())
 
 
-def _check_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
-    from jobgen.job.conversations import check_conversations
-    from jobgen.errors import UserError
+def _check_data(job: Job, base: str, warnings: list[str], field: str = "training.data") -> Optional[str]:
+    """Every file of training.data (or eval_data) read as the trainer reads it; the bad records of
+    all of them listed together, up to MAX_PROBLEMS."""
+    from jobgen.job.conversations import MAX_PROBLEMS
+    from jobgen.job.sources import data_paths
 
-    path = os.path.abspath(os.path.join(base, job.training.data))
-    error, warning = _where_missing("training.data", path, "file")
-    if warning:
-        warnings.append(warning)
-    if error or warning:
-        return error
+    lines: list[str] = []
+    listed = more = 0
+    paths = [os.path.abspath(os.path.join(base, given)) for given in data_paths(getattr(job.training, field.split(".")[1]))]
+    for path in paths:
+        error, warning = _where_missing(field, path, "file")
+        if warning:
+            warnings.append(warning)
+        if error:
+            lines.append(error)
+        if error or warning:
+            continue
+        check = _check_records(job, field, path, max(MAX_PROBLEMS - listed, 0), warnings)
+        if isinstance(check, str):
+            lines.append(check)
+        elif check is not None:
+            lines += check.problems
+            listed += len(check.problems)
+            more += check.more_problems
+    if more:
+        lines.append(f"{paths[0] if len(paths) == 1 else field}: {more} more bad records ({listed + more} in all; the first {listed} are above)")
+    return "\n".join(lines) or None
+
+
+def _check_records(job: Job, field: str, path: str, max_problems: int, warnings: list[str]):
+    """check_conversations of one file (a DataCheck), its one-line error, or None when not checked."""
+    from jobgen.errors import UserError
+    from jobgen.job.conversations import check_conversations
+
     if not os.path.isfile(path) and not os.path.isdir(path):
         # A pipe or a device (/dev/stdin) could block or never end here.
-        warnings.append(f"training.data: {path!r} is not a regular file; not checked")
+        warnings.append(f"{field}: {path!r} is not a regular file; not checked")
         return None
     try:
-        if os.path.isfile(path) and os.path.getsize(path) > CHECK_WHOLE_BYTES:
-            check = check_conversations(path, job.training.data_format, CHECK_WHOLE_BYTES)
+        if os.path.isfile(path) and os.path.getsize(path) > CHECK_WHOLE_BYTES and not path.endswith(".parquet"):
+            check = check_conversations(path, job.training.data_format, CHECK_WHOLE_BYTES, max_problems)
             warnings.append(
-                f"training.data: {path!r} is {_size(os.path.getsize(path))}; only its first {check.records} conversations "
+                f"{field}: {path!r} is {_size(os.path.getsize(path))}; only its first {check.records} records "
                 f"(its first {_size(CHECK_WHOLE_BYTES)}) were checked here; the trainer checks them all"
             )
-        else:
-            check = check_conversations(path, job.training.data_format)
+        else:  # Parquet and Arrow are read a record batch at a time: checked whole
+            check = check_conversations(path, job.training.data_format, max_problems=max_problems)
     except UserError as error:
         return str(error)
-    return "\n".join(check.problem_lines(path)) or None
+    return check
 
 
 def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
@@ -122,10 +148,7 @@ def _check_model_config(job: Job, model: str) -> Optional[str]:
 def _check_eval_data(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     if not job.training.eval_data:
         return None
-    error, warning = _where_missing("training.eval_data", os.path.abspath(os.path.join(base, job.training.eval_data)), "file")
-    if warning:
-        warnings.append(warning)
-    return error
+    return _check_data(job, base, warnings, "training.eval_data")
 
 
 def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[str]:

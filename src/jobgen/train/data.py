@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample
 from jobgen.train.chat_template import CHATML, NotExact, has_generation_marks, marked_spans, rendered_spans, resolve_template
 
 IGNORE_INDEX = -100
@@ -201,13 +201,15 @@ class TokenizedDataset(TokenDataset):
     """Every conversation tokenized in this process, held in lists: the reference the prepared
     store (jobgen.train.store) is checked against, and small data in tests."""
 
-    def __init__(self, conversations: Sequence[Conversation], chat: ChatTokenizer, pad_id: int) -> None:
-        self.ids = [c.id for c in conversations]
-        uncut = [chat.uncut(c) for c in conversations]
-        self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
-        self.labels = [labels[: chat.max_length] for _, labels in uncut]
+    def __init__(self, conversations: Sequence[Sample], chat: ChatTokenizer, pad_id: int) -> None:
+        from jobgen.train.samples import pieces  # any format's samples (a long text is several)
+
+        found = [piece for sample in conversations for piece in pieces(sample, chat)]
+        self.ids = [sample_id for sample_id, _, _, _ in found]
+        self.input_ids = [ids for _, ids, _, _ in found]
+        self.labels = [labels for _, _, labels, _ in found]
         # Conversations longer than max_length: the trainer says how many were cut.
-        self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
+        self.cut_lengths = [length for _, _, _, length in found if length > chat.max_length]
         self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
         self.pad_id = pad_id
         self._lengths = [len(x) for x in self.input_ids]

@@ -5,7 +5,10 @@ conversation, and keeps Python lists: fine for a test, 178 s and 3.65 GB for 100
 conversations. Here the turn texts of a chunk of conversations go to the fast tokenizer's batch
 path in one call (the role headers and markers are encoded once), and the chunk becomes numpy
 arrays: tokens (int32), learned (uint8, 1 where the label is the token, 0 where it is -100),
-lengths and label counts. Chunks run in worker processes, one per CPU this process may use.
+lengths and label counts. Chunks run in worker processes, one per CPU this process may use; they
+come from the reader (jobgen.job.conversations.read_samples) a chunk at a time and go to the
+workers through the pool, so neither the preparing process nor a worker holds the data set. A
+chunk of text or pretokenized samples goes to SampleEncoder instead.
 
 `encode_all` is what jobgen.train.store calls to fill a store; its output equals ChatTokenizer's,
 conversation by conversation (tests/train/test_store.py checks it on the tiny tokenizer).
@@ -13,14 +16,17 @@ conversation by conversation (tests/train/test_store.py checks it on the tiny to
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, IGNORE_INDEX, Conversation, Sample, TextSample
 from jobgen.train.chat_template import CHATML
 from jobgen.train.data import ChatTokenizer
+from jobgen.train.samples import Piece, encode_texts, pieces, text_pieces
 
 ROLES = ("system", "user", "assistant")
 
@@ -33,6 +39,7 @@ class Chunk:
     learned: Any  # uint8: 1 where the label is the token, 0 where it is -100
     lengths: Any  # int32 per conversation, after the cut to max_length
     label_counts: Any  # int32 per conversation: learned labels after its first token
+    ids: Optional[list[str]] = None  # the samples' ids (encode_all fills a chat chunk's)
 
 
 class BatchChatEncoder:
@@ -50,14 +57,7 @@ class BatchChatEncoder:
         self.max_length = chat.max_length
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        tokenizer = self.chat.tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:  # a slow tokenizer: its own loop
-            return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        # The Rust batch call, as the fast tokenizer's __call__ makes it (no truncation, no padding).
-        backend.no_truncation()
-        backend.no_padding()
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+        return encode_texts(self.chat.tokenizer, texts)
 
     def encode(self, conversations: Sequence[Conversation]) -> Chunk:
         import numpy as np
@@ -106,9 +106,36 @@ class BatchChatEncoder:
         return Chunk(tokens, learned, np.array([len(ids) for ids, _ in pairs], dtype=np.int32), np.array(counts, dtype=np.int32))
 
 
-# The worker processes' share of the work: set before the fork, so that each worker reads the
-# conversations from its copy-on-write memory instead of having them pickled to it.
+class SampleEncoder:
+    """Text and pretokenized samples (jobgen.train.samples) into a Chunk, the texts of a chunk
+    encoded in one batch call."""
+
+    def __init__(self, chat: Any) -> None:
+        self.chat = chat
+
+    def encode(self, samples: Sequence[Sample]) -> Any:
+        import numpy as np
+
+        texts = [s.text for s in samples if isinstance(s, TextSample)]
+        encoded = iter(encode_texts(self.chat.tokenizer, texts) if texts else [])
+        found: list[Piece] = []
+        for sample in samples:
+            if isinstance(sample, TextSample):
+                found += text_pieces(sample.id, next(encoded), self.chat)
+            else:
+                found += pieces(sample, self.chat)
+        tokens = np.array([t for _, ids, _, _ in found for t in ids], dtype=np.int32)
+        flat_labels = np.array([t for _, _, labels, _ in found for t in labels], dtype=np.int64)
+        counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for _, _, labels, _ in found]
+        return Chunk(tokens, (flat_labels != IGNORE_INDEX).astype(np.uint8),
+                     np.array([len(ids) for _, ids, _, _ in found], dtype=np.int32), np.array(counts, dtype=np.int32),
+                     ids=[piece_id for piece_id, _, _, _ in found])
+
+
+# The worker processes' encoders: set before the fork, so that each worker has the loaded
+# tokenizer without pickling it; the chunks of samples come to them through the pool.
 _WORK: dict[str, Any] = {}
+IN_FLIGHT_PER_PROCESS = 2  # chunks read ahead per worker: enough to keep it busy, few enough to stay small
 
 
 def _start_worker() -> None:
@@ -120,8 +147,23 @@ def _start_worker() -> None:
         signal.signal(number, signal.SIG_DFL)
 
 
-def _encode_range(bounds: tuple[int, int]) -> Chunk:
-    return _WORK["encoder"].encode(_WORK["conversations"][bounds[0]:bounds[1]])
+def _encode_chunk(samples: Sequence[Sample]) -> Chunk:
+    """Samples by the encoder of their kind: chat (Conversation) or not (jobgen.train.samples). A
+    chunk is one file's, so of one kind, unless files were joined (a held-out split)."""
+    import numpy as np
+
+    runs = [list(run) for _, run in itertools.groupby(samples, key=lambda s: isinstance(s, Conversation))]
+    chunks = []
+    for run in runs or [[]]:
+        if run and not isinstance(run[0], Conversation):
+            chunks.append(_WORK["samples"].encode(run))
+        else:
+            chunks.append(_WORK["chat"].encode(run))
+            chunks[-1].ids = [c.id for c in run]
+    if len(chunks) == 1:
+        return chunks[0]
+    return Chunk(*(np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "learned", "lengths", "label_counts")),
+                 ids=[i for c in chunks for i in c.ids])
 
 
 def usable_cpus() -> int:
@@ -132,32 +174,33 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def encode_all(conversations: Sequence[Conversation], chat: ChatTokenizer, processes: Optional[int] = None,
-               progress: Optional[Callable[[int, int, int], None]] = None) -> Iterator[Chunk]:
-    """The chunks of the whole data set, in order, encoded by `processes` workers (default: one
-    per usable CPU). `progress(conversations_done, conversations, tokens_done)` after each chunk."""
+def encode_all(chunks: Iterable[Sequence[Sample]], chat: ChatTokenizer, processes: Optional[int] = None,
+               progress: Optional[Callable[[int, int, int], None]] = None, total: int = 0) -> Iterator[Chunk]:
+    """The encoded chunks of `chunks` (jobgen.job.conversations.read_samples'), in order, by
+    `processes` workers (default: one per usable CPU). Only a few chunks are read ahead, so the
+    data set is never held whole. `progress(records_done, total, tokens_done)` after each
+    chunk (`total` 0: not known)."""
     processes = processes or usable_cpus()
-    encoder = BatchChatEncoder(chat)
-    size = max(64, min(2000, len(conversations) // (processes * 8) or 1))
-    ranges = [(i, min(i + size, len(conversations))) for i in range(0, len(conversations), size)]
+    _WORK.update(chat=BatchChatEncoder(chat), samples=SampleEncoder(chat))
     done = tokens = 0
-    if processes == 1 or len(ranges) == 1:
-        chunks: Iterator[Chunk] = (encoder.encode(conversations[a:b]) for a, b in ranges)
-        pool = None
-    else:
-        import multiprocessing
-
-        _WORK.update(encoder=encoder, conversations=conversations)
-        # fork: the workers inherit the parsed conversations and the loaded tokenizer.
-        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_start_worker)
-        chunks = pool.imap(_encode_range, ranges)
+    pool = None
     try:
-        for (a, b), chunk in zip(ranges, chunks):
-            done += b - a
+        if processes == 1:
+            encoded: Iterator[tuple[int, Chunk]] = ((len(c), _encode_chunk(c)) for c in chunks)
+        else:
+            import multiprocessing
+
+            # fork: the workers inherit the loaded tokenizer; each chunk is pickled to one.
+            pool = multiprocessing.get_context("fork").Pool(processes, initializer=_start_worker)
+            encoded = _in_order(pool, chunks, processes * IN_FLIGHT_PER_PROCESS)
+        for count, chunk in encoded:
+            done += count
             tokens += len(chunk.tokens)
             if progress:
-                progress(done, len(conversations), tokens)
+                progress(done, total, tokens)
             yield chunk
+        if progress and not total:  # the count is known now: the last line says it
+            progress(done, done, tokens)
         if pool is not None:
             pool.close()  # every chunk is in: the workers end on their own
     finally:
@@ -167,8 +210,22 @@ def encode_all(conversations: Sequence[Conversation], chat: ChatTokenizer, proce
             pool.join()
 
 
+def _in_order(pool: Any, chunks: Iterable[Sequence[Sample]], most: int) -> Iterator[tuple[int, Chunk]]:
+    """The chunks encoded by the pool in their order, at most `most` of them given out at a time.
+    (Pool.imap would read the whole input ahead into its task queue.)"""
+    waiting: deque = deque()
+    for chunk in chunks:
+        waiting.append((len(chunk), pool.apply_async(_encode_chunk, (chunk,))))
+        if len(waiting) >= most:
+            count, result = waiting.popleft()
+            yield count, result.get()
+    while waiting:
+        count, result = waiting.popleft()
+        yield count, result.get()
+
+
 class Progress:
-    """A progress line: conversations done, rate and time left; on a terminal one line updated in
+    """A progress line: records done, rate and time left; on a terminal one line updated in
     place, elsewhere (a log) a line every `every` seconds."""
 
     def __init__(self, write: Callable[[str], None], every: float = 10.0, in_place: bool = False) -> None:
@@ -177,10 +234,13 @@ class Progress:
 
     def __call__(self, done: int, total: int, tokens: int) -> None:
         now = time.monotonic()
-        if now - self.last < (0.5 if self.in_place else self.every) and done < total:
+        if now - self.last < (0.5 if self.in_place else self.every) and (done < total or not total):
             return
         self.last = now
         elapsed = max(now - self.started, 1e-6)
         left = (total - done) * elapsed / max(done, 1)
-        self.write(f"tokenized {done}/{total} conversations ({100 * done / max(total, 1):.0f}%), "
-                   f"{tokens / elapsed / 1e6:.2f} M tokens/s, {left:.0f} s left")
+        rate = f"{tokens / elapsed / 1e6:.2f} M tokens/s"
+        if not total:  # a JSON array is counted only once parsed
+            self.write(f"tokenized {done} records, {rate}")
+            return
+        self.write(f"tokenized {done}/{total} records ({100 * done / max(total, 1):.0f}%), {rate}, {left:.0f} s left")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Optional
 
+from jobgen.errors import UserError
 from jobgen.rundir.files import HEALTH, HEALTH_CACHE, HEALTH_HISTORY
 from jobgen.train.exit_report import now_iso, write_json_atomically
 
@@ -119,6 +120,23 @@ class HashCache:
     def save(self) -> None:
         if self.misses:
             write_json_atomically(self.path, self.entries)
+
+
+def data_hash(cache: HashCache, data: Any) -> dict[str, Any]:
+    """Size and SHA-256 of training.data: a file's own, else of its files (a folder's data files) together."""
+    from jobgen.job.sources import arrow_files, data_paths, source_kind
+
+    files = [name for path in data_paths(data)
+             for name in (arrow_files(path) if source_kind(path) == "arrow" else [path])]
+    if len(files) == 1:
+        return cache.file_hash(files[0])
+    each = [cache.file_hash(name) for name in files]
+    digest = hashlib.sha256("\n".join(facts["sha256"] for facts in each).encode()).hexdigest()
+    return {"size": sum(facts["size"] for facts in each), "sha256": digest}
+
+
+def _said(data: Any) -> str:
+    return data if isinstance(data, str) else ", ".join(data)
 
 
 def model_folder_facts(folder: str, cache: HashCache) -> dict[str, Any]:
@@ -265,7 +283,7 @@ class Gate:
 
     dist: Any
     run_dir: str
-    data: str
+    data: Any  # training.data: a path or a list
     model: str
     gpus_per_node: int
     phases: dict[str, float] = field(default_factory=dict)
@@ -290,9 +308,9 @@ class Gate:
             t = self._mark("versions and source", t)
             cache = HashCache(self.run_dir, node)
             try:
-                facts["data"] = {"path": self.data, **cache.file_hash(self.data)}
-            except OSError as exc:
-                facts["data"] = {"path": self.data, "error": exc.strerror or str(exc)}
+                facts["data"] = {"path": _said(self.data), **data_hash(cache, self.data)}
+            except (OSError, UserError) as exc:
+                facts["data"] = {"path": _said(self.data), "error": getattr(exc, "strerror", None) or str(exc)}
             t = self._mark("data hash", t)
             if os.path.isdir(self.model):
                 facts["model"] = model_folder_facts(self.model, cache)
@@ -384,7 +402,7 @@ def record(run_dir: str, outcome: dict[str, Any]) -> None:
         handle.write(json.dumps(summary) + "\n")
 
 
-def check(dist: Any, run_dir: str, data: str, model: str, gpus_per_node: int) -> dict[str, Any]:
+def check(dist: Any, run_dir: str, data: Any, model: str, gpus_per_node: int) -> dict[str, Any]:
     """Collective: runs the gate, rank 0 records it; raises HealthCheckFailed on every rank."""
     gate = Gate(dist, run_dir, data, model, gpus_per_node)
     started = time.perf_counter()

@@ -1,9 +1,10 @@
 """The prepared data store: the data set tokenized once, memory-mapped by every rank.
 
 A store is a folder named by its key, the hash of everything the tokens depend on (`StoreInputs`:
-the data file's content, the tokenizer's files, the chat layout, max_length, the data format):
+the data files' content, the tokenizer's files, the chat layout, max_length, the data format):
 
-    KEY/tokens.int32     every conversation's input ids, one after the other
+    KEY/tokens.int32     every sample's input ids, one after the other (a sample: a conversation, or a
+                         text's piece or pretokenized record, jobgen.train.samples)
     KEY/learned.uint8    1 where the label is the token, 0 where it is -100
     KEY/offsets.npy      int64, conversation i is tokens[offsets[i]:offsets[i+1]]
     KEY/label_counts.npy int32, labels each conversation is trained on
@@ -79,12 +80,13 @@ def store_key(inputs: StoreInputs) -> str:
     return hashlib.sha256(json.dumps(asdict(inputs), sort_keys=True).encode()).hexdigest()[:24]
 
 
-def check_data_path(path: str) -> None:
-    """Before the process group: the data file is there (its records are checked as it is tokenized)."""
-    if not os.path.exists(path):
-        raise UserError(f"training.data: file {path!r} does not exist")
-    if os.path.isdir(path):
-        raise UserError(f"training.data: {path!r} is a directory; give a .json or .jsonl file")
+def check_data_path(data: Any) -> None:
+    """Before the process group: the data files are there and of a kind read (their records are
+    checked as they are tokenized)."""
+    from jobgen.job.sources import data_paths, source_kind
+
+    for path in data_paths(data):
+        source_kind(path)
 
 
 def store_folder(prepared_cache: Optional[str], run_dir: str) -> str:
@@ -97,7 +99,7 @@ def store_folder(prepared_cache: Optional[str], run_dir: str) -> str:
 def inputs_for(training: Any, folder: str) -> StoreInputs:
     """The inputs of `training` (paths resolved); hashes of unchanged files come from the folder's cache."""
     hashes = _HashCache(folder)
-    data = hashes.file_sha256(training.data, "training.data")
+    data = data_sha256(training.data, hashes)
     tokenizer = tokenizer_fingerprint(training.model, hashes)
     hashes.save()
     template = training.chat_template or "default"  # the tokenizer's own when it has one: in its files' hash
@@ -106,6 +108,21 @@ def inputs_for(training: Any, folder: str) -> StoreInputs:
     held_out = f"{training.eval_fraction} by seed {training.seed}" if _held_out(training) else ""
     return StoreInputs(data_sha256=data, data_format=training.data_format, tokenizer_sha256=tokenizer,
                        chat_template=template, max_length=training.max_length, held_out=held_out)
+
+
+def data_sha256(data: Any, hashes: "_HashCache") -> str:
+    """The content of `training.data`: a file's SHA-256 (as before lists and folders were read),
+    else the hash of each file's name and SHA-256, a folder's data files included, in order."""
+    from jobgen.job.sources import arrow_files, data_paths, source_kind
+
+    paths = data_paths(data)
+    if len(paths) == 1 and source_kind(paths[0]) != "arrow":
+        return hashes.file_sha256(paths[0], "training.data")
+    lines = []
+    for path in paths:
+        files = arrow_files(path) if source_kind(path) == "arrow" else [path]
+        lines += [f"{os.path.basename(name)}:{hashes.file_sha256(name, 'training.data')}" for name in files]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def _held_out(training: Any) -> bool:
@@ -362,9 +379,10 @@ def _map(path: str, dtype: Any, count: int) -> Any:
 # --- filled once ----------------------------------------------------------------------------------
 
 
-def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs, processes: Optional[int] = None,
-                progress: Optional[Callable[[int, int, int], None]] = None) -> dict:
-    """The store's files in `folder` (made here), COMPLETE last; returns its meta."""
+def write_store(folder: str, chunks: Any, chat: Any, inputs: StoreInputs, processes: Optional[int] = None,
+                progress: Optional[Callable[[int, int, int], None]] = None, total: int = 0) -> dict:
+    """The store's files in `folder` (made here), COMPLETE last, from `chunks` of samples (read_samples');
+    returns its meta."""
     import numpy as np
 
     from jobgen.train.encode import encode_all, usable_cpus
@@ -372,9 +390,10 @@ def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs,
     started = time.monotonic()
     processes = processes or usable_cpus()
     os.makedirs(folder)
-    lengths, counts = [], []
+    lengths, counts, ids = [], [], []
     with open(os.path.join(folder, "tokens.int32"), "wb") as tokens, open(os.path.join(folder, "learned.uint8"), "wb") as learned:
-        for chunk in encode_all(conversations, chat, processes, progress):
+        for chunk in encode_all(chunks, chat, processes, progress, total):
+            ids += chunk.ids
             chunk.tokens.tofile(tokens)
             chunk.learned.tofile(learned)
             lengths.append(chunk.lengths)
@@ -387,9 +406,9 @@ def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs,
     np.cumsum(lengths_all, out=offsets[1:])
     np.save(os.path.join(folder, "offsets.npy"), offsets)
     np.save(os.path.join(folder, "label_counts.npy"), np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32))
-    _write_json(os.path.join(folder, "ids.json"), [c.id for c in conversations])
+    _write_json(os.path.join(folder, "ids.json"), ids)
     seconds = time.monotonic() - started
-    meta = {"inputs": asdict(inputs), "conversations": len(conversations), "tokens": int(offsets[-1]),
+    meta = {"inputs": asdict(inputs), "conversations": len(ids), "tokens": int(offsets[-1]),
             "pad_token_id": chat.tokenizer.pad_token_id,
             "processes": processes, "seconds": round(seconds, 3), "host": socket.gethostname(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -411,7 +430,8 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
     """The store of `training` (paths resolved), prepared here if this process is a preparer and
     nobody has made it, else waited for. Returns it mapped, and prepare_once's outcome.
     `tokenizer()` gives the tokenizer; only a preparation calls it (a restart loads none here)."""
-    from jobgen.job.conversations import load_conversations
+    from jobgen.job.conversations import read_samples
+    from jobgen.job.sources import count_records
     from jobgen.train.data import ChatTokenizer
 
     folder = store_folder(getattr(training, "prepared_cache", None), run_dir)
@@ -424,13 +444,15 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
     target = os.path.join(folder, store_key(inputs))
 
     def build(temp: str) -> None:
-        conversations = load_conversations(training.data, training.data_format)
-        if _held_out(training):
+        chunks = read_samples(training.data, training.data_format)
+        total = count_records(training.data)
+        if _held_out(training):  # the split needs every record's index: read whole here
             from jobgen.train.evaluation import split_eval
 
-            conversations, _ = split_eval(conversations, training.eval_fraction, training.seed)
+            kept, _ = split_eval([s for chunk in chunks for s in chunk], training.eval_fraction, training.seed)
+            chunks, total = (kept[i:i + 1000] for i in range(0, len(kept), 1000)), len(kept)
         chat = ChatTokenizer(tokenizer(), training.max_length, training.chat_template, training.model)
-        write_store(temp, conversations, chat, inputs, processes, progress)
+        write_store(temp, chunks, chat, inputs, processes, progress, total)
 
     outcome = prepare_once(target, build, preparer, waiting)
     return StoredDataset(target), outcome

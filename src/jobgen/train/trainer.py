@@ -27,12 +27,12 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
-from jobgen.job.conversations import Conversation, load_conversations
+from jobgen.job.conversations import Sample, load_conversations
 from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
 from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.evaluation import Evaluation, split_eval
@@ -122,7 +122,7 @@ class Prepared:
     output_dir: str
     precision: str
     placement: Placement
-    eval_conversations: list[Conversation]
+    eval_conversations: list[Sample]
     ds_config: dict
     config_digest: str
     step_delay: float
@@ -135,11 +135,16 @@ def effective_precision(requested: str, cuda: bool) -> str:
     return requested
 
 
+def _absolute(data: Union[str, list[str]]) -> Union[str, list[str]]:
+    """training.data or eval_data (a path or a list) made absolute, keeping its shape (the store key hashes contents, not paths)."""
+    return os.path.abspath(data) if isinstance(data, str) else [os.path.abspath(path) for path in data]
+
+
 def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Prepared:
     """Validate inputs identically on every rank and place this one; raises UserError."""
     training = job.training
     model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
-    resolved = training.model_copy(update={"model": model_ref, "data": os.path.abspath(training.data)})
+    resolved = training.model_copy(update={"model": model_ref, "data": _absolute(training.data)})
     if resolved.chat_template not in (None, CHATML, TOKENIZER):
         resolved = resolved.model_copy(update={"chat_template": os.path.abspath(resolved.chat_template)})
     if resolved.deepspeed_config:
@@ -160,9 +165,9 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # The records are read and checked where they are tokenized (the data phase, jobgen.train.store).
     check_data_path(resolved.data)
     # The held-out conversations, which every rank evaluates its share of (training's are in the store).
-    eval_conversations: list[Conversation] = []
+    eval_conversations: list[Sample] = []
     if resolved.eval_data:
-        resolved = resolved.model_copy(update={"eval_data": os.path.abspath(resolved.eval_data)})
+        resolved = resolved.model_copy(update={"eval_data": _absolute(resolved.eval_data)})
         eval_conversations = load_conversations(resolved.eval_data, training.data_format)
     elif training.eval_fraction:
         _, eval_conversations = split_eval(load_conversations(resolved.data, training.data_format),
