@@ -150,7 +150,7 @@ BAD = {
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
          "messages[1].tool_calls[0]: 'arguments' is text that is not JSON; give a JSON object"),
-        ({"messages": [{"role": "user", "content": "q", "tool_calls": []}]}, "messages[0] has 'tool_calls' on a user message; only the assistant calls tools"),
+        ({"messages": [{"role": "user", "content": "q", "tool_calls": [{"function": {"name": "f"}}]}]}, "messages[0] has 'tool_calls' on a user message; only the assistant calls tools"),
         ({"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}}]}, f"messages[0] has 'function_call', {LEGACY}"),
         ({"messages": [{"role": "function", "content": "x"}]}, f"messages[0].role is 'function', {LEGACY}"),
         ({"messages": [{"role": "user", "content": "q"}], "functions": [{"name": "f"}]}, f"'functions' is {LEGACY}"),
@@ -363,3 +363,7 @@ def test_tool_calls_results_and_definitions_are_read_in_openai_and_llama_factory
     assert openai.uses_tools and not EXPECTED[0].uses_tools
     assert EXPECTED[0].messages() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                       {"role": "assistant", "content": "Hello."}]
+    # "tool_calls": null or [], as some exports write on every message, is a message without calls.
+    plain = {"messages": [{"role": "user", "content": "q", "tool_calls": None}, {"role": "assistant", "content": "a", "tool_calls": []}]}
+    [read] = load_conversations(write(tmp_path, [plain], "plain.json"))
+    assert not read.uses_tools and read.messages() == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]

@@ -528,7 +528,7 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, 
                 raise _Bad(f"{where}: {name}.weight is given on a {role} message; only assistant messages are learned")
             if weight == 0:
                 unlearned.append(len(checked))  # the index this message will have among the turns
-        if message.get("tool_calls") is not None:
+        if message.get("tool_calls") not in (None, []):  # null or [] (as some exports write): no calls
             if role != "assistant":
                 raise _Bad(f"{where}: {name} has 'tool_calls' on a {role} message; only the assistant calls tools")
             fields[len(checked)] = {"tool_calls": _tool_calls(where, f"{name}.tool_calls", message["tool_calls"])}
