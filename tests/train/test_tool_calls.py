@@ -91,3 +91,14 @@ def test_a_template_that_drops_tool_calls_is_refused_naming_the_record(tmp_path)
     )
     with pytest.raises(UserError, match="conversation 't' has tool definitions, and the chat template of"):
         ChatTokenizer(family_tokenizer("llama3"), 4096, model="meta-llama/Meta-Llama-3-8B-Instruct")(read(tmp_path, OPENAI_TOOLS))
+
+
+def test_a_template_that_refuses_tool_messages_names_the_fix_that_writes_them(tmp_path):
+    """Mistral's template raises on any role but user and assistant; ChatML is no way out for tools."""
+    with pytest.raises(UserError) as caught:
+        ChatTokenizer(family_tokenizer("mistral"), 4096, model="mistralai/Mistral-7B-Instruct-v0.2")(read(tmp_path, OPENAI_TOOLS))
+    assert str(caught.value) == (
+        "training.chat_template: conversation 't': the chat template of mistralai/Mistral-7B-Instruct-v0.2 refuses it: "
+        "Conversation roles must alternate user/assistant/user/assistant/...; set training.chat_template to a Jinja "
+        "file that renders tools (the model family's own, as Llama 3.1 and Qwen 2.5 publish theirs)"
+    )

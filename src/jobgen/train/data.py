@@ -53,6 +53,7 @@ from jobgen.train.chat_template import (
 )
 
 IGNORE_INDEX = -100
+RENDERS_TOOLS = "a Jinja file that renders tools (the model family's own, as Llama 3.1 and Qwen 2.5 publish theirs)"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -140,10 +141,10 @@ class ChatTokenizer:
                 "part is marked with {% generation %}"
             ) from None
         except Exception as exc:  # the template's own raise_exception, or a template error
-            raise UserError(
-                f"training.chat_template: {where}: {self.template_name} refuses it: {_first_line(exc)}"
-                f"{'' if self.setting == CHATML else '; set training.chat_template: chatml to train it in ChatML'}"
-            ) from None
+            fix = ("" if self.setting == CHATML else "; set training.chat_template: chatml to train it in ChatML")
+            if conversation.uses_tools:  # ChatML has no tools either
+                fix = f"; set training.chat_template to {RENDERS_TOOLS}"
+            raise UserError(f"training.chat_template: {where}: {self.template_name} refuses it: {_first_line(exc)}{fix}") from None
 
     def _check_tools_written(self, where: str, messages: list[dict], tools: Optional[list]) -> None:
         """UserError where the template writes the conversation the same without its tool
@@ -160,8 +161,7 @@ class ChatTokenizer:
             if reduced is not None and render(self.tokenizer, self.chat_template, reduced[0], tools=reduced[1]) == whole:
                 raise UserError(
                     f"training.chat_template: {where} has {what}, and {self.template_name} drops them (it writes the "
-                    "conversation the same without them); set training.chat_template to a Jinja file that renders "
-                    "tools (the model family's own, as Llama 3.1 and Qwen 2.5 publish theirs)"
+                    f"conversation the same without them); set training.chat_template to {RENDERS_TOOLS}"
                 )
 
 
