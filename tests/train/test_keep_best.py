@@ -150,3 +150,11 @@ def test_the_pointer_names_only_committed_checkpoints_and_the_rotation_passes_ov
     assert pointed_checkpoint(str(root)) == "step-000003"
     restore_pointer(str(root), BestSoFar(), step_name, lambda name: True)  # a fresh start: no best
     assert not (root / "best.json").exists()
+
+
+def test_status_names_the_best_checkpoint_while_the_run_goes_on():
+    from jobgen.rundir.outcome import format_lines
+
+    best = {"step": 4, "eval_loss": 1.23456, "checkpoint": "/runs/x/output/checkpoints/step-000004", "model": None}
+    report = {"run_dir": "/runs/x", "segments": [], "probe": None, "best": best}
+    assert format_lines(report) == ["best (eval loss 1.2346 at step 4): /runs/x/output/checkpoints/step-000004"]

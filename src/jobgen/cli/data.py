@@ -1,7 +1,8 @@
 """`jobgen data JOB.yaml --show N`: the first N conversations as the model will see them.
 
 What a user checks before spending GPU hours: the exact text of each sample after the chat
-template, with the tokens it learns from marked, from the trainer's own tokenization
+template (tool definitions, calls and results as the template writes them), with the tokens it
+learns from marked, from the trainer's own tokenization
 (jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
 object a line. Reads the tokenizer (not the weights), so it needs transformers where it runs.
 """
