@@ -28,7 +28,7 @@ from jobgen.job.conversations import (
 from jobgen.job.models import Training
 from tests.helpers import jobgen
 
-NO_TOOLS = "tools are not supported yet (the ChatML layout jobgen trains in has no place for them)"
+LEGACY = "the legacy OpenAI function-calling spelling; give 'tool_calls', 'tool' messages and 'tools' instead"
 
 # The same three conversations in each format: a system prompt, a plain one, and two rounds.
 SHAREGPT = [
@@ -131,26 +131,35 @@ def test_sharegpt_role_aliases_and_a_system_field(tmp_path: Path) -> None:
 BAD = {
     "sharegpt": [
         ({"conversations": [{"from": "bot", "value": "x"}]},
-         "conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system"),
-        ({"conversations": [{"from": "observation", "value": "x"}]}, f"conversations[0].from is 'observation': {NO_TOOLS}"),
+         "conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system, function_call, observation"),
         ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}]},
-         f"conversations[1].from is 'function_call': {NO_TOOLS}"),
+         'conversations[1].value[0] must be {"type": "function", "function": {"name": ..., "arguments": ...}}'),
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "f(1)"}]},
+         'conversations[1].value is not JSON; a function_call turn is {"name": ..., "arguments": ...}'),
         ({"conversations": [{"role": "user", "content": "q"}]},
          "conversations[0] has 'role', as an OpenAI message; a ShareGPT turn has 'from' and 'value'"),
-        ({"conversations": [{"from": "human", "value": "q"}], "tools": '[{"name": "f"}]'}, f"'tools' gives tool definitions; {NO_TOOLS}"),
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "tools": "[{name: f}]"},
+         "'tools' is text that is not JSON; give a list of function definitions"),
         ({"system": "s", "conversations": [{"from": "system", "value": "t"}, {"from": "gpt", "value": "a"}]},
          "conversations[0] is a system turn, and the record has a 'system' field too; give one"),
         ({"system": 3, "conversations": [{"from": "gpt", "value": "a"}]}, "'system' must be a string, got int"),
         ({"conversations": [{"from": "human", "value": "q"}]}, "no assistant turn, so nothing to learn from it"),
     ],
     "openai": [
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}]}, f"messages[1].role is 'tool': {NO_TOOLS}"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}]}, "no assistant turn, so nothing to learn from it"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
                                                           "tool_calls": [{"id": "1", "type": "function"}]}]},
-         f"messages[1] has 'tool_calls': {NO_TOOLS}"),
-        ({"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}}]}, f"messages[0] has 'function_call': {NO_TOOLS}"),
-        ({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]}, f"'tools' gives tool definitions; {NO_TOOLS}"),
-        ({"messages": [{"role": "human", "content": "q"}]}, "messages[0].role is 'human'; expected one of system, user, assistant"),
+         'messages[1].tool_calls[0] must be {"type": "function", "function": {"name": ..., "arguments": ...}}'),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
+         "messages[1].tool_calls[0]: 'arguments' is text that is not JSON; give a JSON object"),
+        ({"messages": [{"role": "user", "content": "q", "tool_calls": [{"function": {"name": "f"}}]}]}, "messages[0] has 'tool_calls' on a user message; only the assistant calls tools"),
+        ({"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}}]}, f"messages[0] has 'function_call', {LEGACY}"),
+        ({"messages": [{"role": "function", "content": "x"}]}, f"messages[0].role is 'function', {LEGACY}"),
+        ({"messages": [{"role": "user", "content": "q"}], "functions": [{"name": "f"}]}, f"'functions' is {LEGACY}"),
+        ({"messages": [{"role": "user", "content": "q"}], "tools": {"type": "function"}},
+         "'tools' must be a list of function definitions (objects), got {'type': 'function'}"),
+        ({"messages": [{"role": "human", "content": "q"}]}, "messages[0].role is 'human'; expected one of system, user, assistant, tool"),
         ({"messages": [{"from": "human", "value": "q"}]}, "messages[0] has 'from', as a ShareGPT turn; an OpenAI message has 'role' and 'content'"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]},
          "messages[0].content is a list of content parts; give the text as one string"),
@@ -290,11 +299,11 @@ def test_validate_reads_each_format_and_lists_the_bad_items(tmp_path: Path) -> N
         "it has 'instruction' (alpaca)"
         for i, item in enumerate(ALPACA)
     ]
-    write(tmp_path, OPENAI + [{"id": f"bad{i}", "messages": [{"role": "tool", "content": "x"}]} for i in range(MAX_PROBLEMS + 2)], "data.jsonl")
+    write(tmp_path, OPENAI + [{"id": f"bad{i}", "messages": [{"role": "function", "content": "x"}]} for i in range(MAX_PROBLEMS + 2)], "data.jsonl")
     result = jobgen("submit", "-s", "slurm", "--dry-run", str(job_file(tmp_path)), cwd=tmp_path)
     lines = errors_of(result)
     assert result.returncode == 2 and len(lines) == MAX_PROBLEMS + 1, result.stderr
-    assert lines[0] == f"jobgen: error: {data}: record 3 (id 'bad0'): messages[0].role is 'tool': {NO_TOOLS}"
+    assert lines[0] == f"jobgen: error: {data}: record 3 (id 'bad0'): messages[0].role is 'function', {LEGACY}"
     assert lines[-1] == f"jobgen: error: {data}: 2 more bad records ({MAX_PROBLEMS + 2} in all; the first {MAX_PROBLEMS} are above)"
     result = jobgen("validate", str(job_file(tmp_path, data_format="csv")), cwd=tmp_path)
     assert result.returncode == 2 and "'training.data_format' is 'csv'" in result.stderr
@@ -321,3 +330,43 @@ def test_an_openai_assistant_message_of_weight_0_is_kept_and_marked_not_learned(
         {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue.", "weight": 1}]}])
     read = load_conversations(path)[0]
     assert read.turns[1] == ("assistant", "Red.") and read.unlearned == (1,)
+
+
+# A conversation with a tool: OpenAI's spelling (arguments as JSON text, as OpenAI writes them) and
+# LLaMA-Factory's ShareGPT twin read into the same Conversation.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+OPENAI_TOOLS = {"id": "t", "tools": [WEATHER_TOOL], "messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny."}]}
+SHAREGPT_TOOLS = {"id": "t", "tools": json.dumps([WEATHER_TOOL["function"]]), "conversations": [
+    {"from": "human", "value": "Weather in Paris?"},
+    {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+    {"from": "observation", "value": "sunny"},
+    {"from": "gpt", "value": "It is sunny."}]}
+
+
+def test_tool_calls_results_and_definitions_are_read_in_openai_and_llama_factory_spelling(tmp_path: Path) -> None:
+    [openai] = load_conversations(write(tmp_path, [OPENAI_TOOLS], "openai.json"))
+    [sharegpt] = load_conversations(write(tmp_path, [SHAREGPT_TOOLS], "sharegpt.json"))
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert openai.messages() == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "call_1"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    assert openai.tool_definitions() == sharegpt.tool_definitions() == [WEATHER_TOOL]
+    assert sharegpt.messages()[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert [m["role"] for m in sharegpt.messages()] == ["user", "assistant", "tool", "assistant"]
+    assert openai.uses_tools and not EXPECTED[0].uses_tools
+    assert EXPECTED[0].messages() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hello."}]
+    # "tool_calls": null or [], as some exports write on every message, is a message without calls.
+    plain = {"messages": [{"role": "user", "content": "q", "tool_calls": None}, {"role": "assistant", "content": "a", "tool_calls": []}]}
+    [read] = load_conversations(write(tmp_path, [plain], "plain.json"))
+    assert not read.uses_tools and read.messages() == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]

@@ -80,7 +80,7 @@ def test_a_typo_is_refused_with_the_closest_existing_name(tmp_path: Path) -> Non
         ("data.json", '[\n {"conversations": []}\n {"conversations": []}\n]\n',
          "data.json: not valid JSON at line 3 column 2: Expecting ',' delimiter"),
         ("data.json", '[{"id": "a", "conversations": [{"from": "bot", "value": "x"}]}]',
-         "data.json: record 0 (id 'a'): conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system"),
+         "data.json: record 0 (id 'a'): conversations[0].from is 'bot'; expected one of human, user, gpt, assistant, system, function_call, observation"),
         ("data.json", '[{"id": "caf\xe9", "conversations": []}]', "data.json: not UTF-8 text: byte 0xe9 at line 1, column 13; save the file as UTF-8"),
     ],
     ids=["jsonl", "json array", "wrong role", "latin-1"],

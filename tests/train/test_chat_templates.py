@@ -1,5 +1,5 @@
 """training.chat_template: conversations tokenized exactly as apply_chat_template writes them, with
-labels on the assistant's part only, for the published templates of Llama 3, Mistral, Gemma and
+labels on the assistant's part only, for the published templates of Llama 3, Llama 3.1, Mistral, Gemma and
 Qwen 2.5 (tests/train/published_templates.py), a Jinja file with {% generation %} marks, and
 templates whose assistant part cannot be found exactly."""
 
@@ -44,7 +44,7 @@ def learned_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
 
 def expected_answers(family: str, conversation: Conversation) -> list[str]:
     """Each assistant message as the family's template writes it: content, then end of turn."""
-    trims = family in ("llama3", "gemma")
+    trims = family in ("llama3", "llama3.1", "gemma")
     end = FAMILIES[family][4]
     return [(text.strip() if trims else text) + end for role, text in conversation.turns if role == "assistant"]
 

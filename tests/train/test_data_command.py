@@ -56,3 +56,23 @@ def test_a_cut_sample_says_so(tmp_path, tiny):
     result = jobgen("data", str(_job(tmp_path, tiny, max_length=16)), "--show", "1", "--site", "none")
     assert result.returncode == 0, result.stderr
     assert "16 tokens (cut from" in result.stdout and "to max_length)" in result.stdout
+
+
+def test_show_writes_the_tool_calls_and_results_and_marks_the_calls_learned(tmp_path, tiny):
+    from tests.test_data_formats import OPENAI_TOOLS
+
+    template = tmp_path / "qwen2.5.jinja"
+    template.write_text(QWEN25)
+    data = tmp_path / "tools.json"
+    data.write_text(json.dumps([OPENAI_TOOLS]))
+    job = _job(tmp_path, tiny, data=str(data), chat_template=str(template), max_length=4096)
+    result = jobgen("data", str(job), "--show", "1", "--site", "none")
+    assert result.returncode == 0, result.stderr
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in result.stdout  # not marked
+    assert '<|im_start|>assistant\n⟦<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in result.stdout
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n⟦It is sunny." in result.stdout
+    # In ChatML the record is refused in one line, naming it and the setting.
+    result = jobgen("data", str(_job(tmp_path, tiny, data=str(data), chat_template="chatml")), "--show", "1", "--site", "none")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("jobgen: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert errors[0].startswith("jobgen: error: training.chat_template: conversation 't' has tool calls, results or definitions")

@@ -1,9 +1,10 @@
 """`jobgen data JOB.yaml --show N`: the first N conversations as the model will see them.
 
 What a user checks before spending GPU hours: the exact text of each sample after the chat
-template (or, for text and pretokenized data, as jobgen.train.samples makes it: a long text's
-pieces, EOS at the end), with the tokens it learns from marked, from the trainer's own
-tokenization (jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
+template (tool definitions, calls and results as the template writes them; for text and
+pretokenized data, as jobgen.train.samples makes it: a long text's pieces, EOS at the end), with
+the tokens it learns from marked, from the trainer's own tokenization
+(jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
 object a line. Reads the tokenizer (not the weights), so it needs transformers where it runs.
 """
 

@@ -18,10 +18,19 @@ chat layout decides, and jobgen's ChatML writes DEFAULT_SYSTEM_PROMPT) and the u
 turns in order. Alpaca's user turn is the instruction, a blank line and the
 input (the instruction alone when the input is empty), as the Alpaca template joins them; its
 assistant turn is the output (LLaMA-Factory's `history`, earlier [instruction, output] pairs,
-comes first). Tool turns, tool calls and tool definitions are refused: the ChatML layout the
-trainer writes (jobgen.train.data) has no place for them yet. `text` becomes a TextSample and
-`pretokenized` a TokenSample; how they become tokens (a long text split, ids checked against the
-vocabulary) is jobgen.train.samples'.
+comes first). `text` becomes a TextSample and `pretokenized` a TokenSample; how they become
+tokens (a long text split, ids checked against the vocabulary) is jobgen.train.samples'.
+
+Tools, as OpenAI's fine-tuning files and transformers' apply_chat_template(messages, tools=...)
+take them: an OpenAI assistant message's `tool_calls` ([{"type": "function", "function": {"name",
+"arguments"}}], the arguments a JSON object or its text), `tool` messages (a tool's result, with
+optional `tool_call_id` and `name`) and the record's `tools` (the function definitions). ShareGPT
+records take LLaMA-Factory's spelling: a `function_call` turn (its value the JSON of {"name",
+"arguments"}, or a list of them) is an assistant turn of tool calls, an `observation` turn a tool
+result, and `tools` the JSON text (or list) of the functions. Arguments given as JSON text are
+parsed, as the published templates (Llama 3.1, Qwen 2.5) write them with `tojson`. Whether a chat
+layout can write tools is jobgen.train.data's to say; OpenAI's legacy `function_call`/`functions`
+spelling is refused, naming the current one.
 
 Auto-detection: a record is in the format whose field it has (`conversations`, `messages`,
 `instruction`, `text`, `input_ids`); a file is in the format of its first record that has exactly
@@ -46,7 +55,7 @@ from jobgen.errors import UserError
 from jobgen.job.sources import CHUNK_RECORDS, Chunk, Unreadable, data_paths, jsonl_chunks, not_json, read_chunks, source_kind
 from jobgen.job.textfile import file_not_utf8_message
 
-ROLES = ("user", "assistant", "system")  # what a Conversation holds: user and assistant turns, a system prompt
+ROLES = ("user", "assistant", "tool", "system")  # what a Conversation holds: user, assistant and tool turns, a system prompt
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 FORMATS = ("sharegpt", "openai", "alpaca", "text", "pretokenized")  # training.data_format: these, or auto
 CHAT_FORMATS = FORMATS[:3]  # those read as a Conversation, laid out by the chat template
@@ -56,10 +65,12 @@ FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "alpaca": "i
 IGNORE_INDEX = -100  # a label not learned, as transformers' loss reads it
 # ShareGPT's `from` as its writers spell it (the original ShareGPT dumps, FastChat, LLaMA-Factory).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-OPENAI_ROLES = ("system", "user", "assistant")
+# LLaMA-Factory's tool turns in ShareGPT: a call the assistant makes, and the tool's result.
+SHAREGPT_TOOL_ROLES = {"function_call": "assistant", "observation": "tool"}
+OPENAI_ROLES = ("system", "user", "assistant", "tool")
 # Roles of tool results and calls in the formats' writers (OpenAI, LLaMA-Factory, Llama 3).
 TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
-NO_TOOLS = "tools are not supported yet (the ChatML layout jobgen trains in has no place for them)"
+LEGACY_FUNCTIONS = "the legacy OpenAI function-calling spelling; give 'tool_calls', 'tool' messages and 'tools' instead"
 MAX_PROBLEMS = 20  # bad records `jobgen validate` lists one by one; the rest are counted
 
 
@@ -67,8 +78,30 @@ MAX_PROBLEMS = 20  # bad records `jobgen validate` lists one by one; the rest ar
 class Conversation:
     id: str
     system: Optional[str]  # None: the record gives none
-    turns: tuple[tuple[str, str], ...]  # (role, text), user/assistant only
+    turns: tuple[tuple[str, str], ...]  # (role, text): user, assistant, and tool (a tool's result)
     unlearned: tuple[int, ...] = ()  # indices into turns of assistant turns not learned (OpenAI weight 0)
+    # Tools, kept as JSON text so that a Conversation stays hashable: the function definitions
+    # ("" for none) and, by turn index, a turn's tool fields (an assistant turn's `tool_calls`, a
+    # tool turn's `tool_call_id` and `name`).
+    tools: str = ""
+    tool_fields: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.tool_fields or any(role == "tool" for role, _ in self.turns))
+
+    def tool_definitions(self) -> Optional[list]:
+        """The `tools` argument of apply_chat_template: None where the record gives none."""
+        return json.loads(self.tools) if self.tools else None
+
+    def messages(self) -> list[dict]:
+        """The conversation as the messages apply_chat_template takes (a system message only where
+        the record gives one; `tool_calls` only on the turns that make calls, as Llama 3.1's
+        template tests for the key)."""
+        fields = {index: json.loads(text) for index, text in self.tool_fields}
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return system + [{"role": role, "content": text, **fields.get(index, {})}
+                         for index, (role, text) in enumerate(self.turns)]
 
 
 @dataclass(frozen=True)
@@ -358,17 +391,22 @@ def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Sampl
     if kind == "pretokenized":
         return TokenSample(str(raw_id), *_pretokenized(where, record), source=where)
     unlearned: tuple[int, ...] = ()
+    tools, fields = "", {}
     if kind == "sharegpt":
-        system, turns = _sharegpt(where, record)
+        system, turns, fields = _sharegpt(where, record)
+        tools = _tool_definitions(where, record)
     elif kind == "openai":
-        system, turns, unlearned = _openai(where, record)
+        system, turns, unlearned, fields = _openai(where, record)
+        tools = _tool_definitions(where, record)
     else:
         system, turns = _alpaca(where, record)
     if not any(role == "assistant" for role, _ in turns):
         raise _Bad(f"{where}: no assistant turn, so nothing to learn from it")
     if all(role != "assistant" or index in unlearned for index, (role, _) in enumerate(turns)):
         raise _Bad(f"{where}: every assistant message has weight 0, so nothing to learn from it")
-    return Conversation(id=str(raw_id), system=system, turns=tuple(turns), unlearned=unlearned)
+    tool_fields = tuple((index, json.dumps(value)) for index, value in sorted(fields.items()))
+    return Conversation(id=str(raw_id), system=system, turns=tuple(turns), unlearned=unlearned,
+                        tools=tools, tool_fields=tool_fields)
 
 
 def _kind_of(where: str, record: dict, fmt: _FileFormat) -> str:
@@ -415,17 +453,60 @@ def _optional_text(where: str, record: dict, name: str) -> Optional[str]:
     return value
 
 
-def _no_tool_definitions(where: str, record: dict) -> None:
-    for name in ("tools", "functions"):
-        if record.get(name):
-            raise _Bad(f"{where}: '{name}' gives tool definitions; {NO_TOOLS}")
+Fields = dict[int, dict]  # turn index -> the turn's tool fields
 
 
-def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns]:
+def _tool_definitions(where: str, record: dict) -> str:
+    """The record's `tools` as JSON text ("" for none). OpenAI's are a list of objects; LLaMA-Factory
+    writes the JSON text of a list of bare functions, wrapped here as transformers documents them
+    ({"type": "function", "function": ...})."""
+    if record.get("functions"):
+        raise _Bad(f"{where}: 'functions' is {LEGACY_FUNCTIONS}")
+    tools = record.get("tools")
+    if tools is None or tools == "" or tools == []:
+        return ""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except (ValueError, RecursionError):
+            raise _Bad(f"{where}: 'tools' is text that is not JSON; give a list of function definitions") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise _Bad(f"{where}: 'tools' must be a list of function definitions (objects), got {_short(tools)}")
+    wrapped = [tool if "type" in tool else {"type": "function", "function": tool} for tool in tools]
+    return json.dumps(wrapped) if wrapped else ""
+
+
+def _tool_calls(where: str, name: str, calls: Any) -> list[dict]:
+    """Checked tool calls, each {"type": "function", "function": {"name", "arguments": an object}}
+    (and its `id` where given); arguments given as JSON text are parsed."""
+    if not isinstance(calls, list) or not calls:
+        raise _Bad(f"{where}: {name} must be a non-empty list of tool calls, got {_short(calls)}")
+    checked = []
+    for position, call in enumerate(calls):
+        here = f"{name}[{position}]"
+        function = call.get("function", call) if isinstance(call, dict) else None  # LLaMA-Factory: bare
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _Bad(f'{where}: {here} must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                raise _Bad(f"{where}: {here}: 'arguments' is text that is not JSON; give a JSON object") from None
+        if not isinstance(arguments, dict):
+            raise _Bad(f"{where}: {here}: 'arguments' must be a JSON object, got {_short(arguments)}")
+        out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        checked.append(out)
+    return checked
+
+
+def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns, Fields]:
     turns = _list_field(where, record, "conversations")
-    _no_tool_definitions(where, record)
     system = _optional_text(where, record, "system")
     checked: Turns = []
+    fields: Fields = {}
     for position, turn in enumerate(turns):
         name = f"conversations[{position}]"
         if not isinstance(turn, dict):
@@ -436,13 +517,20 @@ def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns]:
                 "(a list of OpenAI messages is named 'messages')"
             )
         role, value = turn.get("from"), turn.get("value")
-        if isinstance(role, str) and role in TOOL_ROLES:
-            raise _Bad(f"{where}: {name}.from is {role!r}: {NO_TOOLS}")
-        if not isinstance(role, str) or role not in SHAREGPT_ROLES:
-            raise _Bad(f"{where}: {name}.from is {_short(role)}; expected one of {', '.join(SHAREGPT_ROLES)}")
+        known = (*SHAREGPT_ROLES, *SHAREGPT_TOOL_ROLES)
+        if not isinstance(role, str) or role not in known:
+            raise _Bad(f"{where}: {name}.from is {_short(role)}; expected one of {', '.join(known)}")
         if not isinstance(value, str):
             raise _Bad(f"{where}: {name}.value must be a string, got {type(value).__name__}")
-        role = SHAREGPT_ROLES[role]
+        if role == "function_call":  # the JSON of one call {"name", "arguments"}, or of a list of them
+            try:
+                calls = json.loads(value)
+            except (ValueError, RecursionError):
+                raise _Bad(f'{where}: {name}.value is not JSON; a function_call turn is {{"name": ..., "arguments": ...}}') from None
+            fields[len(checked)] = {"tool_calls": _tool_calls(where, f"{name}.value", calls if isinstance(calls, list) else [calls])}
+            checked.append(("assistant", ""))
+            continue
+        role = SHAREGPT_TOOL_ROLES.get(role) or SHAREGPT_ROLES[role]
         if role == "system":
             if position != 0:
                 raise _Bad(f"{where}: {name} is a system turn; a system turn may only come first")
@@ -451,15 +539,15 @@ def _sharegpt(where: str, record: dict) -> tuple[Optional[str], Turns]:
             system = value
             continue
         checked.append((role, value))
-    return system, checked
+    return system, checked, fields
 
 
-def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, ...]]:
+def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, ...], Fields]:
     messages = _list_field(where, record, "messages")
-    _no_tool_definitions(where, record)
     system: Optional[str] = None
     checked: Turns = []
     unlearned: list[int] = []
+    fields: Fields = {}
     for position, message in enumerate(messages):
         name = f"messages[{position}]"
         if not isinstance(message, dict):
@@ -469,12 +557,11 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, 
                 f"{where}: {name} has 'from', as a ShareGPT turn; an OpenAI message has 'role' and 'content' "
                 "(a list of ShareGPT turns is named 'conversations')"
             )
-        for key in ("tool_calls", "function_call"):
-            if message.get(key):
-                raise _Bad(f"{where}: {name} has '{key}': {NO_TOOLS}")
+        if message.get("function_call"):
+            raise _Bad(f"{where}: {name} has 'function_call', {LEGACY_FUNCTIONS}")
         role, content = message.get("role"), message.get("content")
-        if isinstance(role, str) and role in TOOL_ROLES:
-            raise _Bad(f"{where}: {name}.role is {role!r}: {NO_TOOLS}")
+        if role == "function":
+            raise _Bad(f"{where}: {name}.role is 'function', {LEGACY_FUNCTIONS}")
         if not isinstance(role, str) or role not in OPENAI_ROLES:
             raise _Bad(f"{where}: {name}.role is {_short(role)}; expected one of {', '.join(OPENAI_ROLES)}")
         if "weight" in message:
@@ -485,6 +572,13 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, 
                 raise _Bad(f"{where}: {name}.weight is given on a {role} message; only assistant messages are learned")
             if weight == 0:
                 unlearned.append(len(checked))  # the index this message will have among the turns
+        if message.get("tool_calls") not in (None, []):  # null or [] (as some exports write): no calls
+            if role != "assistant":
+                raise _Bad(f"{where}: {name} has 'tool_calls' on a {role} message; only the assistant calls tools")
+            fields[len(checked)] = {"tool_calls": _tool_calls(where, f"{name}.tool_calls", message["tool_calls"])}
+            content = "" if content is None else content  # a message of calls alone has no content
+        if role == "tool":
+            fields[len(checked)] = _tool_result_fields(where, name, message)
         if isinstance(content, list):
             raise _Bad(f"{where}: {name}.content is a list of content parts; give the text as one string")
         if not isinstance(content, str):
@@ -495,7 +589,18 @@ def _openai(where: str, record: dict) -> tuple[Optional[str], Turns, tuple[int, 
             system = content
             continue
         checked.append((role, content))
-    return system, checked, tuple(unlearned)
+    return system, checked, tuple(unlearned), {index: value for index, value in fields.items() if value}
+
+
+def _tool_result_fields(where: str, name: str, message: dict) -> dict:
+    """A tool message's `tool_call_id` and `name`, where it gives them (templates may write either)."""
+    out = {}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise _Bad(f"{where}: {name}.{key} must be a string, got {type(message[key]).__name__}")
+            out[key] = message[key]
+    return out
 
 
 def _alpaca(where: str, record: dict) -> tuple[Optional[str], Turns]:

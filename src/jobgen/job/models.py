@@ -436,6 +436,12 @@ class Training(_Strict):
     eval_interval: Optional[int] = Field(
         None, ge=1, description="optimizer steps between evaluations (and one at the last step); default save_interval",
     )
+    keep_best: bool = Field(
+        False,
+        description="keep the checkpoint of the lowest eval loss (saved at that evaluation) out of keep_checkpoints' "
+        "rotation, named by OUTPUT_DIR/checkpoints/best.json, and save its weights to OUTPUT_DIR/best at the end; "
+        "needs eval_data or eval_fraction",
+    )
     method: Literal["full", "lora", "qlora"] = "lora"
     zero_stage: Literal[2, 3] = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -511,6 +517,11 @@ class Training(_Strict):
         for name in ("data", "eval_data"):
             if getattr(self, name) == []:
                 raise ValueError(f"training.{name} is an empty list; give a path or a list of paths")
+        if self.keep_best and not (self.eval_data or self.eval_fraction):
+            raise ValueError(
+                "training.keep_best needs an evaluation to rank checkpoints by: set training.eval_data or "
+                "training.eval_fraction (evaluated every training.eval_interval steps), or drop keep_best"
+            )
         return self
 
     def warmup_of(self, total_steps: int) -> int:

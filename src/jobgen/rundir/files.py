@@ -39,6 +39,8 @@ PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless trai
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
 STARTUP_FILE = "startup.jsonl"  # where each segment's time to its first new step went
 FINAL_MODEL = "final"  # the final model (full weights) or adapter, and the tokenizer, once the run completes
+BEST_MODEL = "best"  # training.keep_best: the same, of the checkpoint with the lowest eval loss
+BEST_CHECKPOINT = "checkpoints/best.json"  # training.keep_best: names that checkpoint (jobgen.train.best)
 
 # Exit statuses, read by the batch script (templates get them as files.exit_*); docs/exit-codes.md.
 EXIT_USER_ERROR = 2  # the job or its inputs are wrong: not requeued

@@ -68,6 +68,7 @@ def summary(run: RunDir, segments: list[dict[str, Any]], job: Optional[dict[str,
         "last_loss": _number(last, "loss"),
         "last_eval": None if probe else _eval_of(last_eval(run.path, job)),
         "final_model": None if probe else final_model(run, job, segments),
+        "best": None if probe else best_checkpoint(run, job, segments),
         "probe": probe_result(run, segments) if probe else None,
     }
 
@@ -90,6 +91,24 @@ def final_model(run: RunDir, job: dict[str, Any], segments: list[dict[str, Any]]
     training = job.get("training") if isinstance(job.get("training"), dict) else {}
     method = str(training.get("method") or "lora")
     return {"path": str(path), "kind": "model" if method == "full" else "adapter", "method": method}
+
+
+def best_checkpoint(run: RunDir, job: dict[str, Any], segments: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """training.keep_best: the checkpoint of the lowest eval loss so far, as
+    OUTPUT_DIR/checkpoints/best.json names it ({"step", "eval_loss", "checkpoint": its path}), and
+    "model": OUTPUT_DIR/best once the newest segment completed the run; None without one."""
+    folder = output_dir(run.path, job)
+    try:
+        pointer = json.loads((folder / runfiles.BEST_CHECKPOINT).read_text(encoding="utf-8"))
+        step, loss, name = pointer["step"], pointer["eval_loss"], pointer["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(step, int) and isinstance(loss, (int, float)) and isinstance(name, str)):
+        return None
+    model = folder / runfiles.BEST_MODEL
+    completed = bool(segments) and segments[-1]["outcome"] == "completed"
+    return {"step": step, "eval_loss": loss, "checkpoint": str(folder / "checkpoints" / name),
+            "model": str(model) if completed and model.is_dir() else None}
 
 
 def probe_result(run: RunDir, segments: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,6 +153,11 @@ def format_lines(report: dict[str, Any]) -> list[str]:
     if report.get("final_model"):
         final = report["final_model"]
         lines.append(f"final {final['kind']} ({final['method']}): {final['path']}")
+    best = report.get("best")
+    if best:
+        where = best["model"] or best["checkpoint"]
+        kind = f"{report['final_model']['kind']} " if best["model"] and report.get("final_model") else ""
+        lines.append(f"best {kind}(eval loss {best['eval_loss']:.4f} at step {best['step']}): {where}")
     if report.get("probe"):
         lines.append(f"probe: {report['probe']['message']}")
     return lines

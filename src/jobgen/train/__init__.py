@@ -7,10 +7,11 @@ Modules, one concept each: `data` (conversations, chat layout, batch order), `ch
 once into a memory-mapped store), `encode` (tokenizing in parallel for it), `samples` (text and
 pretokenized records as tokens), `modeling` (model,
 tokenizer, LoRA/Q-LoRA), `dsconfig` (DeepSpeed config), `distributed` (ranks, process group),
-`checkpoint` (save/verify/find/load/prune), `background_save`, `stop` (signal flag), `metrics`,
-`exit_report` (`RUN_DIR/trainer-exit.json`), `console` (where a rank's output goes), `memory`
-(will it fit), `trainer` (the loop), `probe` (jobgen-probe), `torchrun` (jobgen-torchrun), `tiny`
-(a local tiny model for tests). Reading the data files and the model reference is jobgen.job's.
+`checkpoint` (save/verify/find/load/prune), `best` (the best checkpoint by eval loss),
+`background_save`, `stop` (signal flag), `metrics`, `exit_report` (`RUN_DIR/trainer-exit.json`),
+`console` (where a rank's output goes), `memory` (will it fit), `trainer` (the loop), `probe`
+(jobgen-probe), `torchrun` (jobgen-torchrun), `tiny` (a local tiny model for tests). Reading
+the data files and the model reference is jobgen.job's.
 
 May import jobgen.job and the run directory's names (jobgen.rundir.files, .metrics); never the
 command line, the schedulers or the script.

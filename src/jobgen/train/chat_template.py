@@ -84,9 +84,10 @@ def has_generation_marks(template: str) -> bool:
     return bool(GENERATION_MARK.search(template))
 
 
-def render(tokenizer: Any, template: str, messages: Sequence[dict], generation_prompt: bool = False) -> str:
+def render(tokenizer: Any, template: str, messages: Sequence[dict], generation_prompt: bool = False,
+           tools: Optional[list] = None) -> str:
     return tokenizer.apply_chat_template(
-        list(messages), chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+        list(messages), tools=tools, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
     )
 
 
@@ -96,11 +97,12 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def marked_spans(tokenizer: Any, template: str, messages: Sequence[dict],
-                 skip: AbstractSet[int] = frozenset()) -> tuple[list[int], list[bool]]:
+                 skip: AbstractSet[int] = frozenset(), tools: Optional[list] = None) -> tuple[list[int], list[bool]]:
     """(ids, learned) from the template's `{% generation %}` marks; the marked runs of the
-    assistant messages in `skip` (indices into `messages`) are not learned."""
+    assistant messages in `skip` (indices into `messages`) are not learned. `tools`: the
+    function definitions, as apply_chat_template takes them."""
     out = tokenizer.apply_chat_template(
-        list(messages), chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        list(messages), tools=tools, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     learned = [bool(m) for m in out["assistant_masks"]]
     if skip:
@@ -118,17 +120,19 @@ def marked_spans(tokenizer: Any, template: str, messages: Sequence[dict],
 
 
 def rendered_spans(tokenizer: Any, template: str, messages: Sequence[dict],
-                   skip: AbstractSet[int] = frozenset()) -> tuple[list[int], list[bool]]:
-    """(ids, learned) with each assistant message's part found by rendering prefixes (module docstring)."""
-    text = render(tokenizer, template, messages)
+                   skip: AbstractSet[int] = frozenset(), tools: Optional[list] = None) -> tuple[list[int], list[bool]]:
+    """(ids, learned) with each assistant message's part found by rendering prefixes (module
+    docstring); every rendering gets the same `tools`. An assistant message of tool calls is
+    learned like any other; a tool result is not."""
+    text = render(tokenizer, template, messages, tools=tools)
     ids = encode(tokenizer, text)
     learned = [False] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or index in skip:
             continue
         try:
-            before = render(tokenizer, template, messages[:index], generation_prompt=True)
-            through = render(tokenizer, template, messages[: index + 1])
+            before = render(tokenizer, template, messages[:index], generation_prompt=True, tools=tools)
+            through = render(tokenizer, template, messages[: index + 1], tools=tools)
         except Exception as exc:  # a template may refuse a conversation that ends early
             raise NotExact(f"rendering the conversation up to message {index} failed: {exc}") from None
         start = _token_boundary(tokenizer, ids, text, before, f"the text before message {index}")

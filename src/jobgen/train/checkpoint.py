@@ -26,6 +26,9 @@ rank seeds itself from the seed, the step and its rank).
 On start the newest checkpoint whose files match its manifest is used; one that does not is
 skipped with a warning and renamed `corrupt-step-...` (kept for inspection, never used or
 pruned). Directories are assumed to be on a file system every rank sees.
+
+Pruning keeps the newest `keep_checkpoints`, and the one `best.json` names (training.keep_best:
+the best by eval loss, jobgen/train/best.py), which a commit points there once it is complete.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jobgen.errors import UserError
+from jobgen.train import best as best_checkpoint
 from jobgen.train import reshard
 from jobgen.train.exit_report import fsync_directory, write_json_atomically
 
@@ -87,11 +91,7 @@ class CheckpointStore:
         for path in candidates:
             problem = self._verify(path)
             if problem is None:
-                with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
-                    manifest = json.load(handle)
-                with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as handle:
-                    state = json.load(handle)
-                return Found(path, manifest, state)
+                return _found(path)
             if self.dist.is_main:
                 # Set aside (not deleted: evidence), so pruning never keeps it over newer good ones.
                 aside = os.path.join(self.root, "corrupt-" + os.path.basename(path))
@@ -100,6 +100,22 @@ class CheckpointStore:
                 log.warning("skipping checkpoint %s: %s (moved to %s)", path, problem, aside)
             self.dist.barrier()
         return None
+
+    def find_step(self, step: int) -> Optional[Found]:
+        """Collective: the complete checkpoint of `step` if its files match its manifest, else None
+        (with a warning; it is left where it is)."""
+        path = os.path.join(self.root, step_name(step))
+        if not self.dist.broadcast_object(os.path.exists(os.path.join(path, COMPLETE)) if self.dist.is_main else None):
+            log.warning("checkpoint %s is not there or not complete", path)
+            return None
+        problem = self._verify(path)
+        if problem is not None:
+            log.warning("checkpoint %s does not match its manifest: %s", path, problem)
+            return None
+        return _found(path)
+
+    def is_complete(self, name: str) -> bool:
+        return os.path.exists(os.path.join(self.root, name, COMPLETE))
 
     def _complete_dirs(self) -> list[str]:
         if not os.path.isdir(self.root):
@@ -202,15 +218,21 @@ class CheckpointStore:
             os.fsync(handle.fileno())
         for parent, _, _ in os.walk(temp):  # the files' names are durable too (deepspeed/, rng/)
             fsync_directory(parent)
+        with open(os.path.join(temp, TRAINER_STATE), encoding="utf-8") as handle:
+            best = json.load(handle).get(best_checkpoint.STATE_KEY)
         if os.path.exists(final):  # a checkpoint of this step from an earlier attempt
             shutil.rmtree(final)
         os.rename(temp, final)
         fsync_directory(self.root)
+        if best and best.get("step") == step:  # only now complete and in place: the pointer may name it
+            best_checkpoint.write_pointer(self.root, step_name(step), best)
         self._prune()
         return final
 
     def _prune(self) -> None:
-        for path in self._complete_dirs()[self.keep :]:
+        best = best_checkpoint.pointed_checkpoint(self.root)  # out of the rotation: kept beside the newest
+        rotated = [path for path in self._complete_dirs() if os.path.basename(path) != best]
+        for path in rotated[self.keep :]:
             doomed = os.path.join(self.root, TEMP_PREFIX + "delete-" + os.path.basename(path))
             os.rename(path, doomed)  # never a half-deleted directory that still looks complete
             shutil.rmtree(doomed, ignore_errors=True)
@@ -276,6 +298,14 @@ class SavePause:
         with open(marker, "w") as handle:
             handle.write(f"{step}\n")
         time.sleep(self.seconds)
+
+
+def _found(path: str) -> Found:
+    with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
+        manifest = json.load(handle)
+    with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as handle:
+        state = json.load(handle)
+    return Found(path, manifest, state)
 
 
 def check_compatible(found: Found, config_digest: str, changed: list[str]) -> None:

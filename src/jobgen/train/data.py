@@ -10,10 +10,15 @@ the model learns to say; sequences are cut to `max_length`.
   learned tokens are the assistant's part as the template writes it (its content and end-of-turn);
   system and user turns, the role headers and assistant messages of weight 0 are not learned. A conversation whose assistant part
   cannot be found exactly is a UserError naming the model and what to set instead.
+  Tools (jobgen.job.conversations): the ids are apply_chat_template(messages, tools=...)'s; the
+  assistant's tool calls are learned like its words, the tool results and the tool definitions
+  are not. A template that renders a conversation the same with and without its tool calls,
+  results or definitions drops them: that is a UserError naming the record, never a silent loss.
 - ChatML (the reference Qwen fine-tune's layout): `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per
   turn, with a system turn first ("You are a helpful assistant." unless the item gives one); on
   assistant turns `<|im_start|>`, the content, `<|im_end|>` and the newline after it are learned
-  (the role name is not).
+  (the role name is not). ChatML has no tool syntax: a conversation with tools is a UserError
+  naming the record and the template to set instead.
 
 Order: the samples of every optimizer step are a function of (seed, epoch, step) and the global
 batch alone, never of the world size, so a run resumed on another number of ranks trains each
@@ -43,9 +48,12 @@ from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
 from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample
-from jobgen.train.chat_template import CHATML, NotExact, has_generation_marks, marked_spans, rendered_spans, resolve_template
+from jobgen.train.chat_template import (
+    CHATML, NotExact, has_generation_marks, marked_spans, render, rendered_spans, resolve_template,
+)
 
 IGNORE_INDEX = -100
+RENDERS_TOOLS = "a Jinja file that renders tools (the model family's own, as Llama 3.1 and Qwen 2.5 publish theirs)"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -88,7 +96,16 @@ class ChatTokenizer:
         ids, learned = self._templated(conversation)
         return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
 
+    def refuse_tools_in_chatml(self, conversation: Conversation) -> None:
+        if conversation.uses_tools:
+            raise UserError(
+                f"training.chat_template: conversation {conversation.id!r} has tool calls, results or definitions, "
+                f"and {self.template_name} has no way to write them; set training.chat_template: tokenizer for a "
+                "model whose template renders tools (Llama 3.1, Qwen 2.5), or the path of a Jinja file that does"
+            )
+
     def _chatml(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        self.refuse_tools_in_chatml(conversation)
         ids: list[int] = []
         labels: list[int] = []
         system = DEFAULT_SYSTEM_PROMPT if conversation.system is None else conversation.system
@@ -104,14 +121,19 @@ class ChatTokenizer:
         return ids, labels
 
     def _templated(self, conversation: Conversation) -> tuple[list[int], list[bool]]:
-        messages = ([{"role": "system", "content": conversation.system}] if conversation.system is not None else [])
-        skip = {index + len(messages) for index in conversation.unlearned}  # weight-0 messages
-        messages += [{"role": role, "content": text} for role, text in conversation.turns]
+        messages = conversation.messages()
+        first = len(messages) - len(conversation.turns)  # 1 where a system message leads
+        skip = {index + first for index in conversation.unlearned}  # weight-0 messages
+        tools = conversation.tool_definitions()
         where = f"conversation {conversation.id!r}"
         try:
+            if conversation.uses_tools:
+                self._check_tools_written(where, messages, tools)
             if self.generation_marks:
-                return marked_spans(self.tokenizer, self.chat_template, messages, skip)
-            return rendered_spans(self.tokenizer, self.chat_template, messages, skip)
+                return marked_spans(self.tokenizer, self.chat_template, messages, skip, tools)
+            return rendered_spans(self.tokenizer, self.chat_template, messages, skip, tools)
+        except UserError:
+            raise
         except NotExact as exc:
             raise UserError(
                 f"training.chat_template: {where}: the assistant's part cannot be found exactly in "
@@ -119,10 +141,28 @@ class ChatTokenizer:
                 "part is marked with {% generation %}"
             ) from None
         except Exception as exc:  # the template's own raise_exception, or a template error
-            raise UserError(
-                f"training.chat_template: {where}: {self.template_name} refuses it: {_first_line(exc)}"
-                f"{'' if self.setting == CHATML else '; set training.chat_template: chatml to train it in ChatML'}"
-            ) from None
+            fix = ("" if self.setting == CHATML else "; set training.chat_template: chatml to train it in ChatML")
+            if conversation.uses_tools:  # ChatML has no tools either
+                fix = f"; set training.chat_template to {RENDERS_TOOLS}"
+            raise UserError(f"training.chat_template: {where}: {self.template_name} refuses it: {_first_line(exc)}{fix}") from None
+
+    def _check_tools_written(self, where: str, messages: list[dict], tools: Optional[list]) -> None:
+        """UserError where the template writes the conversation the same without its tool
+        definitions, calls or results: it drops them, and the model would learn without them."""
+        whole = render(self.tokenizer, self.chat_template, messages, tools=tools)
+        without = {
+            "tool definitions": (messages, None) if tools else None,
+            "tool calls": ([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], tools)
+            if any("tool_calls" in m for m in messages) else None,
+            "tool results": ([m for m in messages if m["role"] != "tool"], tools)
+            if any(m["role"] == "tool" for m in messages) else None,
+        }
+        for what, reduced in without.items():
+            if reduced is not None and render(self.tokenizer, self.chat_template, reduced[0], tools=reduced[1]) == whole:
+                raise UserError(
+                    f"training.chat_template: {where} has {what}, and {self.template_name} drops them (it writes the "
+                    f"conversation the same without them); set training.chat_template to {RENDERS_TOOLS}"
+                )
 
 
 def _first_line(exc: BaseException) -> str:

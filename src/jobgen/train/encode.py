@@ -64,6 +64,8 @@ class BatchChatEncoder:
 
         if not self.batched:
             return self._encode_each(conversations)
+        for conversation in conversations:  # ChatML writes no tools: refused as ChatTokenizer refuses them
+            self.chat.refuse_tools_in_chatml(conversation)
         texts = [text for c in conversations
                  for text in (DEFAULT_SYSTEM_PROMPT if c.system is None else c.system, *(text for _, text in c.turns))]
         encoded = iter(self._encode_texts(texts))

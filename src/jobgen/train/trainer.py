@@ -13,8 +13,10 @@ Order of work, the same on every rank:
    tokens of the whole step, so the gradient is the token mean over the step however it is split.
    Then one all_gather carries loss, tokens, step time, memory and each rank's stop flag, so all
    ranks decide together.
-5. Periodic checkpoints every `save_interval` steps, one at the last step, one when stopped;
-   then the final model (adapters or full weights) and tokenizer go to OUTPUT_DIR/final.
+5. Periodic checkpoints every `save_interval` steps, one at the last step, one when stopped
+   (and with `keep_best`, one at each evaluation that is the best so far: jobgen/train/best.py);
+   then the final model (adapters or full weights) and tokenizer go to OUTPUT_DIR/final, and the
+   best checkpoint's to OUTPUT_DIR/best.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from jobgen.train.evaluation import Evaluation, split_eval
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
-from jobgen.rundir.files import FINAL_MODEL
+from jobgen.rundir.files import BEST_MODEL, FINAL_MODEL
+from jobgen.train.best import BestSoFar, restore_pointer, write_pointer
 from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
@@ -70,7 +73,7 @@ RESUME_SAFE_FIELDS = {
     # Which code builds the model, not what it computes; a checkpoint of either resumes with either.
     "trust_remote_code",
     # What is measured, not what trains (eval_fraction, which takes data from training, is not here).
-    "eval_data", "eval_interval",
+    "eval_data", "eval_interval", "keep_best",
 }
 
 
@@ -260,6 +263,8 @@ class Trainer:
         self.t = prepared.training
         self._slowest_step = 0.0
         self._warned_slow_stop = False
+        self.best: Optional[BestSoFar] = None  # training.keep_best: set in run()
+        self._evaluated_step: Optional[int] = None  # the newest step evaluated (keep_best: in each checkpoint)
         self.clock = StartupClock()  # from the process's start: a restart's cost, phase by phase
         self.beat = Heartbeat(info.rank, health.node_name())  # what the node's hang supervisor reads
 
@@ -310,6 +315,11 @@ class Trainer:
             error = exc
         dist.raise_together(error)
         self.report.checkpoint = found.path if found else None
+        # The best by eval loss as the resumed checkpoint knew it (keep_best), and best.json to match.
+        self.best = BestSoFar.from_state(found.state if found else None) if t.keep_best else None
+        if self.best is not None and dist.is_main:
+            restore_pointer(store.root, self.best, ckpt.step_name, store.is_complete)
+        self._evaluated_step = found.state.get("evaluated_step") if found else None
         clock.mark("process group")
         if self.p.job.launch.health_check:
             # Before any weight is read: a node that differs ends the job here, in seconds.
@@ -463,6 +473,7 @@ class Trainer:
         interval = {"loss_x_tokens": 0.0, "tokens": 0.0, "inputs": 0.0, "samples": 0.0, "seconds": 0.0}
         loop_start = time.perf_counter()
         step = first_step
+        self._evaluate_what_a_stop_skipped(engine, first_step, total_steps)
         stop = self._agree_stop(step)  # a signal during start-up stops before the first step
         try:
             while step < total_steps and not stop:
@@ -513,8 +524,10 @@ class Trainer:
                 if step == first_step + 1:
                     self._record_startup(first_step)
                 evaluated = {}
-                if self.evaluation and not stop and (step % (t.eval_interval or t.save_interval) == 0 or step == total_steps):
+                if self.evaluation and not stop and self._eval_due(step, total_steps):
                     evaluated = self._evaluate(engine, step)
+                # Every rank has the same eval loss, so all agree on a new best and save it together.
+                new_best = bool(evaluated) and self.best is not None and self.best.offer(step, evaluated["eval_loss"])
                 if step % t.logging_interval == 0 or step == total_steps or stop or evaluated:
                     metrics.write({
                         "step": step,
@@ -533,7 +546,7 @@ class Trainer:
                         **evaluated,
                     })
                     interval = dict.fromkeys(interval, 0.0)
-                if stop or step % t.save_interval == 0 or step == total_steps:
+                if stop or step % t.save_interval == 0 or step == total_steps or new_best:
                     self._save_checkpoint(step, order, wait=stop or step == total_steps)
         finally:
             self.report.train_seconds = round(time.perf_counter() - loop_start, 3)
@@ -553,7 +566,7 @@ class Trainer:
         self.beat.beat(step, "saving")
         final = self._save_final()
         self.report.reason = "completed"
-        self.report.message = f"completed {step} steps; final model in {final}"
+        self.report.message = f"completed {step} steps; final model in {final}{self._save_best(step)}"
 
     def _record_startup(self, first_step: int) -> None:
         self.clock.mark("first step")
@@ -574,12 +587,27 @@ class Trainer:
     def _signal_text(self) -> str:
         return self.report.signal or "a signal"
 
+    def _eval_due(self, step: int, total_steps: int) -> bool:
+        return step % (self.t.eval_interval or self.t.save_interval) == 0 or step == total_steps
+
+    def _evaluate_what_a_stop_skipped(self, engine: Any, step: int, total_steps: int) -> None:
+        """Collective, keep_best: a stop skips its step's evaluation; run it on resuming from that
+        step's checkpoint (the same weights), so the best is the uninterrupted run's."""
+        if self.best is None or not self.evaluation or not step or not self._eval_due(step, total_steps):
+            return
+        if self._evaluated_step == step:
+            return
+        evaluated = self._evaluate(engine, step)
+        if self.best.offer(step, evaluated["eval_loss"]) and self.dist.is_main:
+            write_pointer(self.store.root, ckpt.step_name(step), self.best.as_state())  # the checkpoint resumed from
+
     def _evaluate(self, engine: Any, step: int) -> dict:
         """Collective: the eval set's loss (jobgen.train.evaluation), logged by rank 0."""
         started = time.perf_counter()
         result = self.evaluation.run(engine, self.dist, _token_loss_sum,
                                      lambda round_: self.beat.beat(step, f"evaluating {round_}"))
         self.beat.beat(step, "training")
+        self._evaluated_step = step
         if self.dist.is_main:
             log.info("eval at step %d: loss %.4f, perplexity %.2f over %d tokens (%.1f s)", step, result["eval_loss"],
                      result["eval_perplexity"], result["eval_tokens"], time.perf_counter() - started)
@@ -600,6 +628,8 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
             "chat_template": template_digest(self.chat.chat_template),
         }
+        if self.best is not None:  # keep_best: what a resume compares the next eval loss with
+            state.update(best=self.best.as_state(), evaluated_step=self._evaluated_step)
         started = time.perf_counter()
         self.beat.beat(step, "saving")
         try:
@@ -644,15 +674,31 @@ class Trainer:
                 needed, self._slowest_step, save_seconds, requeue.warning_seconds,
             )
 
-    def _save_final(self) -> str:
-        """Collective: adapters (lora/qlora) or the full model, plus tokenizer, in OUTPUT_DIR/final."""
+    def _save_best(self, last_step: int) -> str:
+        """Collective, after the final save: the best checkpoint's weights in OUTPUT_DIR/best
+        (keep_best); the end of the report's line, saying where and from which step."""
+        best = self.best
+        if best is None or best.step is None:
+            return ""
+        if best.step != last_step:  # the engine holds the last step's weights: load the best's
+            found = self.store.find_step(best.step)
+            if found is None:
+                return f"; the best checkpoint (step {best.step}) could not be read, so no best model was saved"
+            self.store.load(self.engine, found, self.scheduler, self.t.seed)
+        path = self._save_final(BEST_MODEL)
+        if self.dist.is_main:
+            log.info("best eval loss %.4f at step %d: saved to %s", best.loss, best.step, path)
+        return f"; best (eval loss {best.loss:.4f} at step {best.step}) in {path}"
+
+    def _save_final(self, name: str = FINAL_MODEL) -> str:
+        """Collective: adapters (lora/qlora) or the full model, plus tokenizer, in OUTPUT_DIR/`name`."""
         import shutil
 
         from jobgen.train.exit_report import fsync_directory
 
         dist, engine = self.dist, self.engine
-        final = os.path.join(self.p.output_dir, FINAL_MODEL)
-        temp = os.path.join(self.p.output_dir, f".tmp-{FINAL_MODEL}")
+        final = os.path.join(self.p.output_dir, name)
+        temp = os.path.join(self.p.output_dir, f".tmp-{name}")
         state_dict = None
         if self.t.zero_stage == 3:
             state_dict = _zero3_weights_to_save(engine, adapters_only=self.t.method != "full")
@@ -663,7 +709,7 @@ class Trainer:
             self.tokenizer.chat_template = CHATML_JINJA if self.chat.chat_template == CHATML else self.chat.chat_template
             self.tokenizer.save_pretrained(temp)
             if os.path.exists(final):
-                old = os.path.join(self.p.output_dir, f".tmp-old-{FINAL_MODEL}")
+                old = os.path.join(self.p.output_dir, f".tmp-old-{name}")
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
                 shutil.rmtree(old, ignore_errors=True)
