@@ -1,4 +1,4 @@
-"""Evaluation on a held-out set: eval_fraction held out by seed, the loss every eval_interval
+"""Evaluation on a held-out set: eval_fraction held out record by record by seed, the loss every eval_interval
 steps in metrics.jsonl, token-weighted over all ranks: the loss of the same conversations under
 the final model, computed here on one process."""
 
@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import json
 
+import numpy
 import torch
 
 from jobgen.job.conversations import load_conversations
 from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
-from jobgen.train.evaluation import split_eval
+from jobgen.train.evaluation import held_out, held_out_mask
 from jobgen.train.modeling import load_tokenizer
 
 
-def test_the_held_out_set_is_a_pure_function_of_the_data_and_seed(tiny):
-    conversations = load_conversations(str(tiny / "data.json"))
-    train, held = split_eval(conversations, 0.1, seed=42)
-    assert len(held) == 5 and len(train) == 43  # 4.8 rounded up
-    assert {c.id for c in train}.isdisjoint(c.id for c in held)
-    assert split_eval(conversations, 0.1, seed=42) == (train, held)
-    assert split_eval(conversations, 0.1, seed=43)[1] != held
+def test_the_held_out_set_is_a_function_of_each_record_s_index_and_the_seed():
+    """No count of the data is needed: chunks of a stream decide as the whole does."""
+    whole = held_out_mask(0, 10_000, 0.1, seed=42)
+    assert 900 < whole.sum() < 1100
+    chunks = [held_out_mask(first, 700, 0.1, seed=42) for first in range(0, 10_000, 700)]
+    assert (numpy.concatenate(chunks)[:10_000] == whole).all()
+    assert [held_out(i, 0.1, 42) for i in range(200)] == whole[:200].tolist()
+    assert (held_out_mask(0, 10_000, 0.1, seed=43) != whole).any()
+    assert not held_out_mask(0, 1000, 0.0, seed=42).any() and held_out_mask(0, 1000, 1.0, seed=42).all()
 
 
 def test_eval_loss_is_token_weighted_over_all_ranks(tools, tiny, tmp_path):
@@ -35,7 +38,7 @@ def test_eval_loss_is_token_weighted_over_all_ranks(tools, tiny, tmp_path):
     assert sorted(evaluated) == [2, 4]
     assert "eval at step 4: loss" in result.stdout
 
-    _, held = split_eval(load_conversations(str(tiny / "data.json")), 0.25, seed=42)
+    held = [c for i, c in enumerate(load_conversations(str(tiny / "data.json"))) if held_out(i, 0.25, 42)]
     chat = ChatTokenizer(load_tokenizer(str(tiny / "model")), 96)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"), job.parent / "output" / "final")
     model.eval()
