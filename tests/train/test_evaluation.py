@@ -62,3 +62,36 @@ def test_eval_loss_is_token_weighted_over_all_ranks(tools, tiny, tmp_path):
               "last_loss": records[-1]["loss"], "last_eval": newest}
     assert (f"last eval loss {evaluated[4]['eval_loss']:.4f}, perplexity {evaluated[4]['eval_perplexity']:.2f} "
             "at step 4") in format_lines(report)
+
+
+def test_an_eval_run_stopped_and_resumed_evaluates_as_the_uninterrupted_one(tools, tiny, tmp_path):
+    """The held-out set comes from the store at each start: the same conversations, the same
+    losses, and the same final adapter, bit for bit."""
+    import signal
+
+    fields = {"eval_fraction": 0.25, "eval_interval": 2, "save_interval": 2, "max_steps": 6, "max_length": 96}
+    straight = tools.write_job(tmp_path / "straight", tiny, **fields)
+    done = tools.train(straight)
+    assert done.returncode == 0, done.stdout
+    interrupted = tools.write_job(tmp_path / "interrupted", tiny, **fields)
+    proc = tools.start(interrupted, JOBGEN_DEBUG_STEP_DELAY="0.4")
+    tools.wait_for_step(interrupted.parent / "output" / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    first_log = proc.communicate(timeout=120)[0]
+    resumed = tools.train(interrupted)
+    assert resumed.returncode == 0, first_log + resumed.stdout
+    assert "resumed from" in resumed.stdout and "found, preparation skipped" in resumed.stdout
+    held = sum(held_out(i, 0.25, 42) for i in range(len(load_conversations(str(tiny / "data.json")))))
+    assert f"data: eval set {held} conversations" in resumed.stdout
+
+    def evaluations(run) -> dict:
+        lines = (run.parent / "output" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: (r["eval_loss"], r["eval_tokens"]) for r in map(json.loads, lines) if "eval_loss" in r}
+
+    # The step the stop came at saves without evaluating: every other evaluation is the same.
+    resumed_evaluations = evaluations(interrupted)
+    assert sorted(evaluations(straight)) == [2, 4, 6] and 6 in resumed_evaluations
+    assert resumed_evaluations.items() <= evaluations(straight).items()
+    assert tools.adapter_weights(straight.parent / "output").keys() == tools.adapter_weights(interrupted.parent / "output").keys()
+    for name, tensor in tools.adapter_weights(straight.parent / "output").items():
+        assert torch.equal(tensor, tools.adapter_weights(interrupted.parent / "output")[name]), name

@@ -230,8 +230,10 @@ def test_the_held_out_part_and_the_cut_are_in_the_store(tiny, tokenizer, tmp_pat
     for part, expected in ((stored, kept), (stored.held_out(), held)):
         reference = TokenizedDataset(expected, chat, tokenizer.pad_token_id)
         _assert_same(part, reference)
+        longest = max(range(len(expected)), key=lambda i: len(chat.uncut(expected[i])[0]))
         assert part.meta["cut"] == {"conversations": len(reference.cut_lengths),
-                                    "tokens_lost": sum(length - 40 for length in reference.cut_lengths)}
+                                    "tokens_lost": sum(length - 40 for length in reference.cut_lengths),
+                                    "longest": {"id": expected[longest].id, "tokens": max(reference.cut_lengths)}}
     assert stored.meta["eval"]["conversations"] == len(held) and stored.meta["cut"]["conversations"] > 0
     # Without eval_fraction the store has no held-out part, and its key is another.
     whole, _ = ensure_store(_training(tiny, max_length=40), str(tmp_path), lambda: tokenizer, preparer=True, processes=1)

@@ -461,6 +461,9 @@ class _Part:
         _write_json(os.path.join(self.folder, "ids.json"), self.ids)
         # Conversations longer than max_length lose their end: how many, and how many tokens.
         cut = {"conversations": int((uncut > lengths).sum()), "tokens_lost": int((uncut - lengths).sum())}
+        if cut["conversations"]:
+            longest = int(np.argmax(uncut))
+            cut["longest"] = {"id": self.ids[longest], "tokens": int(uncut[longest])}
         meta = {"conversations": len(lengths), "tokens": int(offsets[-1]), "pad_token_id": pad_id, "cut": cut}
         if os.path.basename(self.folder) == EVAL:
             _write_json(os.path.join(self.folder, "meta.json"), meta)
@@ -482,8 +485,9 @@ def cut_summary(meta: dict, max_length: int) -> str:
     cut = meta.get("cut") or {}
     if not cut.get("conversations"):
         return ""
+    longest = cut.get("longest") or {}
     return (f"{cut['conversations']} of {meta['conversations']} conversations cut at max_length {max_length}, "
-            f"{cut['tokens_lost']} tokens lost")
+            f"{cut['tokens_lost']} tokens lost (the longest, {longest.get('id')!r}, has {longest.get('tokens')})")
 
 
 def _write_json(path: str, payload: Any) -> None:
