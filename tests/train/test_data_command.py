@@ -56,3 +56,23 @@ def test_a_cut_sample_says_so(tmp_path, tiny):
     result = jobgen("data", str(_job(tmp_path, tiny, max_length=16)), "--show", "1", "--site", "none")
     assert result.returncode == 0, result.stderr
     assert "16 tokens (cut from" in result.stdout and "to max_length)" in result.stdout
+
+
+def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_path, tiny):
+    from jobgen.train.data import TokenizedDataset
+
+    job = _job(tmp_path, tiny, max_length=48, prepared_cache=str(tmp_path / "stores"))
+    before = jobgen("data", str(job), "--show", "1", "--site", "none")
+    assert before.returncode == 0, before.stderr
+    assert before.stdout.splitlines()[-1].startswith("# the whole data set: not prepared yet; `jobgen prepare` counts")
+    prepared = jobgen("prepare", str(job), "--site", "none")
+    assert prepared.returncode == 0, prepared.stderr
+    tokenizer = load_tokenizer(str(tiny / "model"))
+    conversations = load_conversations(str(tiny / "data.json"))
+    cut = TokenizedDataset(conversations, ChatTokenizer(tokenizer, 48), tokenizer.pad_token_id).cut_lengths
+    assert cut
+    said = f"{len(cut)} of {len(conversations)} conversations cut at max_length 48, {sum(c - 48 for c in cut)} tokens lost"
+    assert f"jobgen: {said} (the longest" in prepared.stderr and "raise training.max_length" in prepared.stderr
+    after = jobgen("data", str(job), "--show", "1", "--site", "none")
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.splitlines()[-1].startswith("# the whole data set (store ") and said in after.stdout

@@ -524,6 +524,18 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
     return StoredDataset(target), outcome
 
 
+def find_store(training: Any, run_dir: str) -> Optional[StoredDataset]:
+    """The complete store of `training` (paths resolved) where one is; prepares nothing."""
+    folder = store_folder(getattr(training, "prepared_cache", None), run_dir)
+    if not os.path.isdir(folder):
+        return None
+    try:
+        target = os.path.join(folder, store_key(inputs_for(training, folder)))
+    except UserError:  # a file missing: nothing prepared from it
+        return None
+    return StoredDataset(target) if is_complete(target) else None
+
+
 def held_split(training: Any) -> Optional[Callable[[int, int], Any]]:
     """write_store's `held` for training.eval_fraction (by its seed); None without one."""
     if not _held_out(training):
