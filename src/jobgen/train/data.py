@@ -206,7 +206,7 @@ class TokenizedDataset(TokenDataset):
         uncut = [chat.uncut(c) for c in conversations]
         self.input_ids = [ids[: chat.max_length] for ids, _ in uncut]
         self.labels = [labels[: chat.max_length] for _, labels in uncut]
-        # Conversations longer than max_length: the trainer says how many were cut.
+        # Conversations longer than max_length (the store counts them the same way: tests compare).
         self.cut_lengths = [len(ids) for ids, _ in uncut if len(ids) > chat.max_length]
         self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
         self.pad_id = pad_id
