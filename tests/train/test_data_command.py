@@ -72,7 +72,7 @@ def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_pat
     cut = TokenizedDataset(conversations, ChatTokenizer(tokenizer, 48), tokenizer.pad_token_id).cut_lengths
     assert cut
     said = f"{len(cut)} of {len(conversations)} conversations cut at max_length 48, {sum(c - 48 for c in cut)} tokens lost"
-    assert f"jobgen: {said} (the longest" in prepared.stderr and "raise training.max_length" in prepared.stderr
+    assert f"jobgen: {said}; the longest, " in prepared.stderr and "raise training.max_length" in prepared.stderr
     after = jobgen("data", str(job), "--show", "1", "--site", "none")
     assert after.returncode == 0, after.stderr
     assert after.stdout.splitlines()[-1].startswith("# the whole data set (store ") and said in after.stdout

@@ -487,7 +487,7 @@ def cut_summary(meta: dict, max_length: int) -> str:
         return ""
     longest = cut.get("longest") or {}
     return (f"{cut['conversations']} of {meta['conversations']} conversations cut at max_length {max_length}, "
-            f"{cut['tokens_lost']} tokens lost (the longest, {longest.get('id')!r}, has {longest.get('tokens')})")
+            f"{cut['tokens_lost']} tokens lost; the longest, {longest.get('id')!r}, has {longest.get('tokens')} tokens")
 
 
 def _write_json(path: str, payload: Any) -> None:
