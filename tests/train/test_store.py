@@ -260,3 +260,22 @@ def test_a_split_that_holds_out_nothing_is_one_line(tiny, tokenizer, tmp_path):
         ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
     assert str(error.value).startswith("training.eval_fraction: the split (eval_fraction 0.001 by seed 42) holds out none")
     assert "\n" not in str(error.value)
+
+
+def test_prepare_makes_the_eval_sets_store_too(tiny, tokenizer, tmp_path):
+    """jobgen prepare leaves nothing for the ranks to tokenize: eval_data's store, or
+    eval_fraction's held-out part, is made with the training store and said."""
+    eval_file = tmp_path / "eval.json"
+    eval_file.write_text(json.dumps(json.loads((tiny / "data.json").read_text())[:5]))
+    command, env = _prepare_job(tmp_path, tiny, tiny / "data.json", eval_data="eval.json")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "jobgen: training.eval_data: prepared " in done.stderr and "(5 conversations, " in done.stderr
+    eval_store, outcome = ensure_store(Training(model=str(tiny / "model"), data=str(eval_file), max_length=256,
+                                                prepared_cache=str(tmp_path / "stores")), str(tmp_path), lambda: tokenizer, False)
+    assert outcome == "found" and len(eval_store) == 5
+
+    command, env = _prepare_job(tmp_path, tiny, tiny / "data.json", eval_fraction=0.25)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "jobgen: eval_fraction 0.25: " in done.stderr and "held out (by seed 42) in its eval/ part" in done.stderr
