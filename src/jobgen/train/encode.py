@@ -78,7 +78,7 @@ class BatchChatEncoder:
 
     def encode(self, conversations: Sequence[Conversation]) -> Chunk:
         """The chunk's arrays, built with numpy from each turn's token count (Python touches each
-        turn once, not each token: the per-token list work was a third of the CPU time)."""
+        turn once, not each token: per-token lists cost a tenth of the CPU time; BENCHMARKS.md)."""
         import numpy as np
 
         if not self.batched:

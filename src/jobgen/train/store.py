@@ -410,6 +410,7 @@ def write_store(folder: str, conversations: Any, chat: Any, inputs: StoreInputs,
     if held_part is not None:
         held_meta = held_part.finish(pad_id)
         check_split(held_meta["conversations"], meta["conversations"], inputs.held_out)
+        _write_json(os.path.join(held_part.folder, "meta.json"), held_meta)  # what StoredDataset reads
         meta["eval"] = {key: held_meta[key] for key in ("conversations", "tokens", "cut")}
     meta.update({"inputs": asdict(inputs), "processes": processes, "seconds": round(time.monotonic() - started, 3),
                  "host": socket.gethostname(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -447,7 +448,7 @@ class _Part:
                 handle.close()
 
     def finish(self, pad_id: Any) -> dict:
-        """offsets, label counts and ids written; returns the part's counts (its meta.json)."""
+        """offsets, label counts and ids written; returns the part's counts (for its meta.json)."""
         import numpy as np
 
         def joined(arrays: list[Any]) -> Any:
@@ -464,20 +465,17 @@ class _Part:
         if cut["conversations"]:
             longest = int(np.argmax(uncut))
             cut["longest"] = {"id": self.ids[longest], "tokens": int(uncut[longest])}
-        meta = {"conversations": len(lengths), "tokens": int(offsets[-1]), "pad_token_id": pad_id, "cut": cut}
-        if os.path.basename(self.folder) == EVAL:
-            _write_json(os.path.join(self.folder, "meta.json"), meta)
-        return meta
+        return {"conversations": len(lengths), "tokens": int(offsets[-1]), "pad_token_id": pad_id, "cut": cut}
 
 
 def check_split(held: int, kept: int, held_out: str) -> None:
     """A split that holds out no conversation, or all of them, is the user's to change."""
     if held == 0:
-        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out none of the {kept} conversations (each is held "
-                        "out with that chance); raise eval_fraction, or give the eval set as training.eval_data")
+        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out none of the {kept} conversations "
+                        "(each is held out with that chance); raise eval_fraction, or give the eval set as training.eval_data")
     if kept == 0:
-        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out all {held} conversations and leaves none to "
-                        "train on; lower it")
+        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out all {held} conversations and leaves "
+                        "none to train on; lower it")
 
 
 def cut_summary(meta: dict, max_length: int) -> str:
