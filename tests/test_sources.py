@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import pyarrow as pa  # the train extra's: Parquet and datasets folders are read with it
+import pyarrow.parquet
 import yaml
 
 from jobgen.errors import UserError
@@ -14,8 +16,6 @@ from jobgen.job.conversations import MAX_PROBLEMS, TextSample, TokenSample, chec
 from jobgen.job.sources import count_records, read_chunks
 from tests.helpers import jobgen
 
-pa = pytest.importorskip("pyarrow")
-import pyarrow.parquet  # noqa: E402
 
 SHAREGPT = [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"Hi {i}"}, {"from": "gpt", "value": "Hello."}]}
             for i in range(5)]

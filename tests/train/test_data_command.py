@@ -76,3 +76,23 @@ def test_show_writes_the_tool_calls_and_results_and_marks_the_calls_learned(tmp_
     errors = [line for line in result.stderr.splitlines() if line.startswith("jobgen: error:")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert errors[0].startswith("jobgen: error: training.chat_template: conversation 't' has tool calls, results or definitions")
+
+
+def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_path, tiny):
+    from jobgen.train.data import TokenizedDataset
+
+    job = _job(tmp_path, tiny, max_length=48, prepared_cache=str(tmp_path / "stores"))
+    before = jobgen("data", str(job), "--show", "1", "--site", "none")
+    assert before.returncode == 0, before.stderr
+    assert before.stdout.splitlines()[-1].startswith("# the whole data set: not prepared yet; `jobgen prepare` counts")
+    prepared = jobgen("prepare", str(job), "--site", "none")
+    assert prepared.returncode == 0, prepared.stderr
+    tokenizer = load_tokenizer(str(tiny / "model"))
+    conversations = load_conversations(str(tiny / "data.json"))
+    cut = TokenizedDataset(conversations, ChatTokenizer(tokenizer, 48), tokenizer.pad_token_id).cut_lengths
+    assert cut
+    said = f"{len(cut)} of {len(conversations)} conversations cut at max_length 48, {sum(c - 48 for c in cut)} tokens lost"
+    assert f"jobgen: {said}; the longest, " in prepared.stderr and "raise training.max_length" in prepared.stderr
+    after = jobgen("data", str(job), "--show", "1", "--site", "none")
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.splitlines()[-1].startswith("# the whole data set (store ") and said in after.stdout

@@ -65,7 +65,7 @@ def runs(tiny, tools, tmp_path_factory):
 
 def test_the_best_checkpoint_is_kept_out_of_the_rotation_and_exported(runs, tiny):
     from jobgen.job.conversations import load_conversations
-    from jobgen.train.evaluation import split_eval
+    from jobgen.train.evaluation import held_out
     from tests.train.test_evaluation import held_out_loss
 
     output = runs["local"] / "output"
@@ -78,7 +78,7 @@ def test_the_best_checkpoint_is_kept_out_of_the_rotation_and_exported(runs, tiny
     # keep_checkpoints: 1 keeps the newest, and the best beside it.
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["best.json", f"step-{best_step:06d}", f"step-{STEPS:06d}"]
     # OUTPUT_DIR/best holds the best step's adapter: its held-out loss is the one recorded at that step.
-    _, held = split_eval(load_conversations(str(tiny / "data.json")), SETTINGS["eval_fraction"], seed=42)
+    held = [c for i, c in enumerate(load_conversations(str(tiny / "data.json"))) if held_out(i, SETTINGS["eval_fraction"], 42)]
     assert abs(held_out_loss(tiny, output / "best", held, SETTINGS["max_length"]) - evals[best_step]) < 1e-4
     assert abs(held_out_loss(tiny, output / "final", held, SETTINGS["max_length"]) - evals[STEPS]) < 1e-4
 

@@ -213,3 +213,69 @@ def test_another_chat_layout_is_stored_conversation_by_conversation(tiny, tokeni
     assert chunk.tokens.tolist() == [t for ids, _ in expected for t in ids]
     assert chunk.lengths.tolist() == [len(ids) for ids, _ in expected]
     assert chunk.label_counts.tolist() == [sum(1 for l in labels[1:] if l != -100) for _, labels in expected]
+
+
+def test_the_held_out_part_and_the_cut_are_in_the_store(tiny, tokenizer, tmp_path):
+    """eval_fraction's conversations are prepared with the store, in its eval/ part, record by
+    record as held_out says; the conversations cut at max_length are counted in meta.json."""
+    from jobgen.train.evaluation import held_out
+
+    training = _training(tiny, max_length=40, eval_fraction=0.25, seed=7)
+    stored, _ = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=2)
+    conversations = load_conversations(training.data)
+    held = [c for i, c in enumerate(conversations) if held_out(i, 0.25, 7)]
+    kept = [c for i, c in enumerate(conversations) if not held_out(i, 0.25, 7)]
+    assert held and kept
+    chat = ChatTokenizer(tokenizer, 40)
+    for part, expected in ((stored, kept), (stored.held_out(), held)):
+        reference = TokenizedDataset(expected, chat, tokenizer.pad_token_id)
+        _assert_same(part, reference)
+        longest = max(range(len(expected)), key=lambda i: len(chat.uncut(expected[i])[0]))
+        assert part.meta["cut"] == {"conversations": len(reference.cut_lengths),
+                                    "tokens_lost": sum(length - 40 for length in reference.cut_lengths),
+                                    "longest": {"id": expected[longest].id, "tokens": max(reference.cut_lengths)}}
+    assert stored.meta["eval"]["conversations"] == len(held) and stored.meta["cut"]["conversations"] > 0
+    # Without eval_fraction the store has no held-out part, and its key is another.
+    whole, _ = ensure_store(_training(tiny, max_length=40), str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
+    assert whole.held_out() is None and whole.path != stored.path and len(whole) == len(conversations)
+
+
+def test_eval_data_is_a_store_of_its_own_shared_with_a_training_store_of_that_file(tiny, tokenizer, tmp_path):
+    from jobgen.train.store import ensure_eval_store
+
+    eval_file = tmp_path / "eval.json"
+    eval_file.write_text(json.dumps(json.loads((tiny / "data.json").read_text())[:6]))
+    training = _training(tiny, eval_data=str(eval_file))
+    stored, _ = ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
+    evaluated, outcome = ensure_eval_store(training, str(tmp_path), lambda: tokenizer, True, stored, processes=1)
+    assert outcome == "prepared" and stored.held_out() is None and len(stored) == len(load_conversations(training.data))
+    as_training, outcome = ensure_store(_training(tiny, data=str(eval_file)), str(tmp_path), lambda: tokenizer, preparer=False)
+    assert (outcome, as_training.path) == ("found", evaluated.path)
+    _assert_same(evaluated, _reference(_training(tiny, data=str(eval_file)), tokenizer))
+
+
+def test_a_split_that_holds_out_nothing_is_one_line(tiny, tokenizer, tmp_path):
+    training = _training(tiny, eval_fraction=0.001)
+    with pytest.raises(UserError) as error:
+        ensure_store(training, str(tmp_path), lambda: tokenizer, preparer=True, processes=1)
+    assert str(error.value).startswith("training.eval_fraction: the split (eval_fraction 0.001 by seed 42) holds out none")
+    assert "\n" not in str(error.value)
+
+
+def test_prepare_makes_the_eval_sets_store_too(tiny, tokenizer, tmp_path):
+    """jobgen prepare leaves nothing for the ranks to tokenize: eval_data's store, or
+    eval_fraction's held-out part, is made with the training store and said."""
+    eval_file = tmp_path / "eval.json"
+    eval_file.write_text(json.dumps(json.loads((tiny / "data.json").read_text())[:5]))
+    command, env = _prepare_job(tmp_path, tiny, tiny / "data.json", eval_data="eval.json")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "jobgen: training.eval_data: prepared " in done.stderr and "(5 conversations, " in done.stderr
+    eval_store, outcome = ensure_store(Training(model=str(tiny / "model"), data=str(eval_file), max_length=256,
+                                                prepared_cache=str(tmp_path / "stores")), str(tmp_path), lambda: tokenizer, False)
+    assert outcome == "found" and len(eval_store) == 5
+
+    command, env = _prepare_job(tmp_path, tiny, tiny / "data.json", eval_fraction=0.25)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "jobgen: eval_fraction 0.25: " in done.stderr and "held out (by seed 42) in its eval/ part" in done.stderr

@@ -6,6 +6,8 @@ pretokenized data, as jobgen.train.samples makes it: a long text's pieces, EOS a
 the tokens it learns from marked, from the trainer's own tokenization
 (jobgen.train.data.ChatTokenizer). `--json` prints each sample's ids and labels instead, one JSON
 object a line. Reads the tokenizer (not the weights), so it needs transformers where it runs.
+Without `--json`, a last line gives the whole data set's counts (conversations, tokens, those cut
+at max_length) from its prepared store, where `jobgen prepare` or a job has made it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
         cut = f" (cut from {length} to max_length)" if length > len(ids) else ""
         click.echo(f"# sample {sample_id!r}: {len(ids)} tokens{cut}, {sum(learned)} learned")
         click.echo(marked_text(chat.tokenizer, ids, learned))
+    if not as_json:
+        click.echo(_whole_data(training.model_copy(update={
+            "model": model, "data": os.path.join(base, training.data), "chat_template": template,
+            "prepared_cache": os.path.join(base, training.prepared_cache) if training.prepared_cache else None,
+        }), os.path.abspath(job.effective_run_dir)))
+
+
+def _whole_data(training, run_dir: str) -> str:
+    """The whole data set's counts from its prepared store, where one is (reading it is cheap;
+    tokenizing every conversation here would not be)."""
+    from jobgen.train.store import cut_summary, find_store
+
+    store = find_store(training, run_dir)
+    if store is None:
+        return "# the whole data set: not prepared yet; `jobgen prepare` counts the conversations cut at max_length"
+    meta = store.meta
+    cut = cut_summary(meta, training.max_length) or "none cut at max_length"
+    return f"# the whole data set (store {store.path}): {meta['conversations']} conversations, {meta['tokens']} tokens; {cut}"
 
 
 def marked_text(tokenizer, ids: list[int], learned: list[bool]) -> str:

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
@@ -38,6 +38,7 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     training = training.model_copy(update={
         "model": model, "data": [str((base / path).resolve()) for path in data_paths(training.data)], "chat_template": template,
         "prepared_cache": str((base / training.prepared_cache).resolve()) if training.prepared_cache else None,
+        "eval_data": str((base / training.eval_data).resolve()) if training.eval_data else None,
     })
     run_dir = str(Path(job.effective_run_dir).resolve())  # as submit makes it: against this directory
     try:
@@ -45,7 +46,7 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
         from jobgen.job.model_reference import check_model_reference
         from jobgen.train.encode import Progress
         from jobgen.train.modeling import load_tokenizer
-        from jobgen.train.store import ensure_store
+        from jobgen.train.store import cut_summary, ensure_eval_store, ensure_store
     except ImportError as error:
         raise JobgenError(f"jobgen prepare tokenizes on this machine and needs the training packages ({error.name} "
                           "is missing): pip install 'jobgen[train]'") from None
@@ -66,20 +67,43 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     def waiting(seconds: float) -> None:
         show(f"another process is preparing this store; waited {seconds:.0f} s")
 
-    dataset, outcome = ensure_store(training, run_dir, lambda: load_tokenizer(training.model, training.model_revision, trust_remote_code=training.trust_remote_code),
-                                    True, processes,
-                                    Progress(show, in_place=tty), waiting)
+    def tokenizer() -> Any:
+        return load_tokenizer(training.model, training.model_revision, trust_remote_code=training.trust_remote_code)
+
+    dataset, outcome = ensure_store(training, run_dir, tokenizer, True, processes, Progress(show, in_place=tty), waiting)
     if tty and width[0]:
         click.echo(err=True)
+    _said(dataset, outcome, training.max_length)
+    if training.eval_data:  # a store of its own
+        evaluated, outcome = ensure_eval_store(training, run_dir, tokenizer, True, dataset, processes,
+                                               Progress(show, in_place=tty), waiting)
+        if tty and width[0]:
+            click.echo(err=True)
+        _said(evaluated, outcome, training.max_length, "training.eval_data: ")
+    elif "eval" in dataset.meta:
+        held = dataset.meta["eval"]
+        cut = cut_summary(held, training.max_length)
+        click.echo(f"jobgen: eval_fraction {training.eval_fraction}: {held['conversations']} conversations, "
+                   f"{held['tokens']} tokens held out (by seed {training.seed}) in its eval/ part"
+                   f"{'; ' + cut if cut else ''}", err=True)
+    if training.packing:
+        dataset.packed_rows(training.max_length, training.seed, preparer=True)
+    click.echo(f"jobgen: the job's ranks will map it; {time.monotonic() - started:.1f} s in all", err=True)
+
+
+def _said(dataset: Any, outcome: str, max_length: int, field: str = "") -> None:
+    """What was prepared, or found, and the conversations cut at max_length."""
+    from jobgen.train.store import cut_summary
+
     meta = dataset.meta
     what = f"{meta['conversations']} conversations, {meta['tokens']} tokens"
     if outcome == "prepared":
         rate = meta["tokens"] / max(meta["seconds"], 1e-6) / 1e6
-        click.echo(f"jobgen: prepared {dataset.path} ({what}) in {meta['seconds']:.1f} s with {meta['processes']} "
+        click.echo(f"jobgen: {field}prepared {dataset.path} ({what}) in {meta['seconds']:.1f} s with {meta['processes']} "
                    f"processes ({rate:.2f} M tokens/s)", err=True)
     else:
-        click.echo(f"jobgen: {dataset.path} ({what}) was prepared already "
+        click.echo(f"jobgen: {field}{dataset.path} ({what}) was prepared already "
                    f"{'' if outcome == 'found' else 'by another process '}; nothing to do", err=True)
-    if training.packing:
-        dataset.packed_rows(training.max_length, training.seed, preparer=True)
-    click.echo(f"jobgen: the job's ranks will map it; {time.monotonic() - started:.1f} s in all", err=True)
+    cut = cut_summary(meta, max_length)
+    if cut:
+        click.echo(f"jobgen: {field}{cut}; raise training.max_length to keep them whole", err=True)

@@ -430,8 +430,8 @@ class Training(_Strict):
     )
     eval_fraction: float = Field(
         0.0, ge=0, lt=1,
-        description="hold out this fraction of training.data (chosen by seed, at least one conversation) as the eval "
-        "set instead of eval_data; the rest trains",
+        description="hold out this fraction of training.data as the eval set instead of eval_data: each conversation "
+        "with this chance, by its place in the data and seed (so about, not exactly, this fraction); the rest trains",
     )
     eval_interval: Optional[int] = Field(
         None, ge=1, description="optimizer steps between evaluations (and one at the last step); default save_interval",

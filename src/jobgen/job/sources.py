@@ -52,18 +52,18 @@ def data_paths(value: Union[str, Sequence[str], None]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def source_kind(path: str) -> str:
+def source_kind(path: str, field: str = "training.data") -> str:
     """"json" (an array or JSONL), "parquet" or "arrow" (a saved `datasets` folder); a UserError
-    for a path that is none of them."""
+    naming `field` for a path that is none of them."""
     if not os.path.exists(path):
-        raise UserError(f"training.data: file {path!r} does not exist")
+        raise UserError(f"{field}: file {path!r} does not exist")
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, STATE)):
             return "arrow"
         if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-            raise UserError(f"training.data: {path!r} holds a DatasetDict (dataset_dict.json); give one split's folder, "
+            raise UserError(f"{field}: {path!r} holds a DatasetDict (dataset_dict.json); give one split's folder, "
                             f"e.g. {os.path.join(path, 'train')!r}")
-        raise UserError(f"training.data: {path!r} is a folder without {STATE}; give a .json, .jsonl or .parquet file, "
+        raise UserError(f"{field}: {path!r} is a folder without {STATE}; give a .json, .jsonl or .parquet file, "
                         "or a folder written by datasets' save_to_disk")
     if path.endswith(".parquet"):
         return "parquet"

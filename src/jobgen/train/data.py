@@ -248,7 +248,7 @@ class TokenizedDataset(TokenDataset):
         self.ids = [sample_id for sample_id, _, _, _ in found]
         self.input_ids = [ids for _, ids, _, _ in found]
         self.labels = [labels for _, _, labels, _ in found]
-        # Conversations longer than max_length: the trainer says how many were cut.
+        # Samples longer than max_length (the store counts them the same way: tests compare).
         self.cut_lengths = [length for _, _, _, length in found if length > chat.max_length]
         self.label_counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in self.labels]
         self.pad_id = pad_id

@@ -11,7 +11,8 @@ workers through the pool, so neither the preparing process nor a worker holds th
 chunk of text or pretokenized samples goes to SampleEncoder instead.
 
 `encode_all` is what jobgen.train.store calls to fill a store; its output equals ChatTokenizer's,
-conversation by conversation (tests/train/test_store.py checks it on the tiny tokenizer).
+conversation by conversation (tests/train/test_store.py checks it on the tiny tokenizer). The arrays
+are built with numpy from each turn's token count; Python touches each turn, not each token.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jobgen.train.data import ChatTokenizer
 from jobgen.train.samples import Piece, encode_texts, pieces, text_pieces
 
 ROLES = ("system", "user", "assistant")
+ROLE_INDEX = {role: index for index, role in enumerate(ROLES)}
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Chunk:
     learned: Any  # uint8: 1 where the label is the token, 0 where it is -100
     lengths: Any  # int32 per conversation, after the cut to max_length
     label_counts: Any  # int32 per conversation: learned labels after its first token
+    uncut: Any  # int32 per conversation, before the cut: uncut - lengths tokens were lost
     ids: Optional[list[str]] = None  # the samples' ids (encode_all fills a chat chunk's)
 
 
@@ -48,64 +51,116 @@ class BatchChatEncoder:
     conversation, still in the worker processes."""
 
     def __init__(self, chat: Any) -> None:
+        import numpy as np
+
         self.chat = chat
         # ChatML only: a model's own template is rendered conversation by conversation (a subclass
         # may lay turns out otherwise too).
         self.batched = type(chat) is ChatTokenizer and chat.chat_template == CHATML
         if self.batched:
-            self.headers = {role: chat._encode(role + "\n") for role in ROLES}
+            # A turn is start + header[role] + content + suffix; the prefixes and the suffix are
+            # encoded once here, each turn's content in the batch call.
+            self.prefixes = [np.array(chat.im_start + chat._encode(role + "\n"), dtype=np.int32) for role in ROLES]
+            self.suffix = np.array(chat.im_end + chat.newline, dtype=np.int32)
         self.max_length = chat.max_length
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         return encode_texts(self.chat.tokenizer, texts)
 
     def encode(self, conversations: Sequence[Conversation]) -> Chunk:
+        """The chunk's arrays, built with numpy from each turn's token count (Python touches each
+        turn once, not each token: per-token lists cost a tenth of the CPU time; BENCHMARKS.md)."""
         import numpy as np
 
         if not self.batched:
             return self._encode_each(conversations)
         for conversation in conversations:  # ChatML writes no tools: refused as ChatTokenizer refuses them
             self.chat.refuse_tools_in_chatml(conversation)
-        texts = [text for c in conversations
-                 for text in (DEFAULT_SYSTEM_PROMPT if c.system is None else c.system, *(text for _, text in c.turns))]
-        encoded = iter(self._encode_texts(texts))
-        start, end, newline = self.chat.im_start, self.chat.im_end, self.chat.newline
-        tokens: list[int] = []
-        learned: list[int] = []
-        lengths: list[int] = []
-        counts: list[int] = []
-        for conversation in conversations:
-            ids: list[int] = []
-            mask: list[int] = []
-            for position, role in enumerate(("system", *(role for role, _ in conversation.turns))):
-                header, content = self.headers[role], next(encoded)
-                ids += start + header + content + end + newline
-                # The marker, content, end and newline are learned, the role name is not; nor is a
-                # weight-0 answer (turns follow the system turn).
-                if role == "assistant" and position - 1 not in conversation.unlearned:
-                    mask += [1] * len(start) + [0] * len(header) + [1] * (len(content) + len(end) + len(newline))
-                else:
-                    mask += [0] * (len(start) + len(header) + len(content) + len(end) + len(newline))
-            del ids[self.max_length:], mask[self.max_length:]
-            tokens += ids
-            learned += mask
-            lengths.append(len(ids))
-            counts.append(sum(mask) - (mask[0] if mask else 0))
-        return Chunk(np.array(tokens, dtype=np.int32), np.array(learned, dtype=np.uint8),
-                     np.array(lengths, dtype=np.int32), np.array(counts, dtype=np.int32))
+        texts: list[str] = []
+        roles: list[int] = []  # index into ROLES
+        learned_turns: list[bool] = []
+        turn_counts: list[int] = []
+        for c in conversations:
+            texts.append(DEFAULT_SYSTEM_PROMPT if c.system is None else c.system)
+            roles.append(0)
+            learned_turns.append(False)
+            for position, (role, text) in enumerate(c.turns):
+                texts.append(text)
+                roles.append(ROLE_INDEX[role])
+                # Turns follow the system turn; a weight-0 answer is not learned.
+                learned_turns.append(role == "assistant" and position not in c.unlearned)
+            turn_counts.append(len(c.turns) + 1)
+        # Repeated texts (system prompts above all) are encoded once.
+        unique: dict[str, int] = {}
+        which = np.fromiter((unique.setdefault(text, len(unique)) for text in texts), dtype=np.int64, count=len(texts))
+        encoded = self._encode_texts(list(unique))
+        unique_lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        unique_ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(unique_lengths.sum()))
+        del encoded
+        unique_starts = _starts(unique_lengths)
 
+        role = np.array(roles, dtype=np.int64)
+        learned_turn = np.array(learned_turns, dtype=bool)
+        prefix_lengths = np.array([len(p) for p in self.prefixes], dtype=np.int64)[role]
+        content_lengths = unique_lengths[which]
+        turn_lengths = prefix_lengths + content_lengths + len(self.suffix)
+        turn_starts = _starts(turn_lengths)
+        total = int(turn_lengths.sum())
+        tokens = np.empty(total, dtype=np.int32)
+        content_starts = turn_starts + prefix_lengths
+        # Each turn's content, copied from its unique text's ids.
+        within = np.arange(int(content_lengths.sum()), dtype=np.int64) - np.repeat(_starts(content_lengths), content_lengths)
+        tokens[np.repeat(content_starts, content_lengths) + within] = unique_ids[np.repeat(unique_starts[which], content_lengths) + within]
+        for index, prefix in enumerate(self.prefixes):
+            tokens[turn_starts[role == index][:, None] + np.arange(len(prefix))] = prefix
+        tokens[(content_starts + content_lengths)[:, None] + np.arange(len(self.suffix))] = self.suffix
+        # A learned turn: the marker, content, end and newline are learned, the role name is not.
+        learned = np.repeat(learned_turn, turn_lengths).astype(np.uint8)
+        start = len(self.chat.im_start)
+        header = len(self.prefixes[ROLE_INDEX["assistant"]]) - start
+        learned[(turn_starts[learned_turn] + start)[:, None] + np.arange(header)] = 0
+
+        # The cut to max_length, conversation by conversation.
+        first_turns = _starts(np.array(turn_counts, dtype=np.int64))
+        uncut = np.add.reduceat(turn_lengths, first_turns) if len(turn_counts) else np.zeros(0, dtype=np.int64)
+        lengths = np.minimum(uncut, self.max_length)
+        if (uncut > lengths).any():
+            position = np.arange(total, dtype=np.int64) - np.repeat(_starts(uncut), uncut)
+            kept = position < np.repeat(lengths, uncut)
+            tokens, learned = tokens[kept], learned[kept]
+        starts = _starts(lengths)
+        learned_before = np.concatenate(([0], np.cumsum(learned, dtype=np.int64)))
+        first = learned[np.minimum(starts, max(len(learned) - 1, 0))] if len(learned) else np.zeros(len(starts))
+        counts = learned_before[starts + lengths] - learned_before[starts] - np.where(lengths > 0, first, 0)
+        return Chunk(tokens, learned, lengths.astype(np.int32), counts.astype(np.int32), uncut.astype(np.int32))
 
     def _encode_each(self, conversations: Sequence[Conversation]) -> Chunk:
         import numpy as np
 
-        pairs = [self.chat(c) for c in conversations]
+        if type(self.chat) is ChatTokenizer:  # its uncut length is known: the cut is counted
+            uncut_pairs = [self.chat.uncut(c) for c in conversations]
+            uncut = [len(ids) for ids, _ in uncut_pairs]
+            pairs = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in uncut_pairs]
+        else:  # any other layout cuts in its own __call__
+            pairs = [self.chat(c) for c in conversations]
+            uncut = [len(ids) for ids, _ in pairs]
         tokens = np.array([t for ids, _ in pairs for t in ids], dtype=np.int32)
         labels = np.array([l for _, labels in pairs for l in labels], dtype=np.int64)
         learned = (labels != -100).astype(np.uint8)
         if not np.array_equal(labels[learned == 1], tokens[learned == 1]):
             raise ValueError("a chat layout whose labels are not the input ids cannot be stored as a mask")
         counts = [sum(1 for l in labels[1:] if l != -100) for _, labels in pairs]
-        return Chunk(tokens, learned, np.array([len(ids) for ids, _ in pairs], dtype=np.int32), np.array(counts, dtype=np.int32))
+        return Chunk(tokens, learned, np.array([len(ids) for ids, _ in pairs], dtype=np.int32),
+                     np.array(counts, dtype=np.int32), np.array(uncut, dtype=np.int32))
+
+
+def _starts(lengths: Any) -> Any:
+    """Where each of consecutive pieces of these lengths starts."""
+    import numpy as np
+
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
 
 
 class SampleEncoder:
@@ -131,6 +186,7 @@ class SampleEncoder:
         counts = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for _, _, labels, _ in found]
         return Chunk(tokens, (flat_labels != IGNORE_INDEX).astype(np.uint8),
                      np.array([len(ids) for _, ids, _, _ in found], dtype=np.int32), np.array(counts, dtype=np.int32),
+                     np.array([uncut for _, _, _, uncut in found], dtype=np.int32),
                      ids=[piece_id for piece_id, _, _, _ in found])
 
 
@@ -151,7 +207,7 @@ def _start_worker() -> None:
 
 def _encode_chunk(samples: Sequence[Sample]) -> Chunk:
     """Samples by the encoder of their kind: chat (Conversation) or not (jobgen.train.samples). A
-    chunk is one file's, so of one kind, unless files were joined (a held-out split)."""
+    chunk is one file's, so of one kind."""
     import numpy as np
 
     runs = [list(run) for _, run in itertools.groupby(samples, key=lambda s: isinstance(s, Conversation))]
@@ -164,7 +220,7 @@ def _encode_chunk(samples: Sequence[Sample]) -> Chunk:
             chunks[-1].ids = [c.id for c in run]
     if len(chunks) == 1:
         return chunks[0]
-    return Chunk(*(np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "learned", "lengths", "label_counts")),
+    return Chunk(*(np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "learned", "lengths", "label_counts", "uncut")),
                  ids=[i for c in chunks for i in c.ids])
 
 

@@ -1,37 +1,65 @@
 """Evaluation: the token-weighted loss of a held-out set over all ranks, every eval_interval steps.
 
 The eval set is `training.eval_data`, or `training.eval_fraction` of the training data held out
-by seed (split_eval: a function of the data and the seed alone, so a resumed run holds out the
-same conversations). Rank r evaluates conversations r, r + world, ...; every rank runs the same
-number of forward passes (a rank out of conversations runs one with weight 0), as ZeRO-3 gathers
-parameters in each. The loss is sum(loss x tokens) / sum(tokens) over all ranks, as in training,
-and the perplexity its exp. Evaluation runs without dropout and draws no random numbers, so it
-leaves exact resume as it was.
+by seed. Both are in the prepared store (jobgen.train.store), tokenized once by its preparer and
+mapped by every rank: no rank reads a data file. The split is a decision per record, on its index
+in the data and the seed alone (`held_out`): it needs neither the whole data set nor its size, so
+it works on a stream of records, and a resumed run, on any number of ranks, holds out the same
+conversations. Each record is held out with chance `fraction`, so the held-out count is about,
+not exactly, fraction x records.
+
+Rank r evaluates conversations r, r + world, ...; every rank runs the same number of forward
+passes (a rank out of conversations runs one with weight 0), as ZeRO-3 gathers parameters in
+each. The loss is sum(loss x tokens) / sum(tokens) over all ranks, as in training, and the
+perplexity its exp. Evaluation runs without dropout and draws no random numbers, so it leaves
+exact resume as it was.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from jobgen.job.conversations import Conversation
-from jobgen.train.data import TokenizedDataset
+from jobgen.train.data import TokenDataset
+
+_MASK64 = (1 << 64) - 1
 
 
-def split_eval(conversations: Sequence[Conversation], fraction: float, seed: int) -> tuple[list[Conversation], list[Conversation]]:
-    """(train, eval): `fraction` of the conversations (at least one, rounded up) held out by `seed`."""
-    count = max(1, math.ceil(len(conversations) * fraction))
-    if count >= len(conversations):
-        from jobgen.errors import UserError
+def held_out_mask(first: int, count: int, fraction: float, seed: int) -> Any:
+    """Whether records first, ..., first + count - 1 are held out: a boolean numpy array.
+    A record is held out when a hash of (seed, index) (splitmix64, twice) falls below `fraction`."""
+    import numpy as np
 
-        raise UserError(f"training.eval_fraction: {fraction} of {len(conversations)} conversations leaves none to train on")
-    held = set(random.Random(seed).sample(range(len(conversations)), count))
-    return ([c for i, c in enumerate(conversations) if i not in held], [c for i, c in enumerate(conversations) if i in held])
+    key = np.uint64(_splitmix64(seed & _MASK64))
+    indices = np.arange(first, first + count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64_array(indices ^ key)
+    return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
+
+
+def held_out(index: int, fraction: float, seed: int) -> bool:
+    """Whether the record at `index` of the data (0-based, over every file in order) is held out."""
+    return bool(held_out_mask(index, 1, fraction, seed)[0])
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _splitmix64_array(values: Any) -> Any:
+    import numpy as np
+
+    values = values + np.uint64(0x9E3779B97F4A7C15)
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
 
 
 class Evaluation:
-    def __init__(self, dataset: TokenizedDataset, world_size: int, rank: int, micro: int) -> None:
+    def __init__(self, dataset: TokenDataset, world_size: int, rank: int, micro: int) -> None:
         self.dataset = dataset
         self.mine = list(range(rank, len(dataset), world_size))
         self.micro = micro

@@ -9,9 +9,16 @@ the data files' content, the tokenizer's files, the chat layout, max_length, the
     KEY/offsets.npy      int64, conversation i is tokens[offsets[i]:offsets[i+1]]
     KEY/label_counts.npy int32, labels each conversation is trained on
     KEY/ids.json         the conversations' ids (read only for the sample log)
-    KEY/meta.json        the inputs, counts and how long the preparation took
+    KEY/meta.json        the inputs, counts (the conversations cut at max_length and the tokens
+                         they lost among them) and how long the preparation took
+    KEY/eval/            with training.eval_fraction: the held-out conversations, in the files
+                         above (meta.json their counts); the training ones are the others
     KEY/COMPLETE         written last; a folder without it is never used
     KEY/rows-C-sSEED.npz packed rows (training.packing) of capacity C and seed SEED, added on first use
+
+The held-out split is made record by record while the store is filled
+(jobgen.train.evaluation.held_out); training.eval_data is a store of its own, the same as a
+training store of that file (its key, so they are shared). Ranks map both and read no data file.
 
 The tokens do not depend on packing: packed and unpacked runs, and runs of other seeds, share
 them, and each packing is a file of its own in the store (pack_rows is a function of the
@@ -40,6 +47,7 @@ import os
 import shutil
 import socket
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
@@ -49,13 +57,14 @@ from jobgen.train.exit_report import fsync_directory
 
 log = logging.getLogger("jobgen.train")
 
-STORE_VERSION = 1  # the layout above; a new layout is a new key
+STORE_VERSION = 2  # the layout above; a new layout is a new key (2: the held-out part in EVAL, the cut counted)
 # The files of a tokenizer folder that change what it encodes (transformers' names).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "vocab.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
 )
 COMPLETE = "COMPLETE"
+EVAL = "eval"  # the held-out conversations of eval_fraction, in the same layout
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
 POLL_SECONDS = 0.2
 # A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
@@ -72,7 +81,7 @@ class StoreInputs:
     tokenizer_sha256: str
     chat_template: str
     max_length: int
-    held_out: str  # an eval_fraction's seed and fraction: those conversations are not in the store
+    held_out: str  # an eval_fraction's seed and fraction: those conversations are in EVAL, not in the store
     version: int = STORE_VERSION
 
 
@@ -80,13 +89,13 @@ def store_key(inputs: StoreInputs) -> str:
     return hashlib.sha256(json.dumps(asdict(inputs), sort_keys=True).encode()).hexdigest()[:24]
 
 
-def check_data_path(data: Any) -> None:
+def check_data_path(data: Any, field: str = "training.data") -> None:
     """Before the process group: the data files are there and of a kind read (their records are
     checked as they are tokenized)."""
     from jobgen.job.sources import data_paths, source_kind
 
     for path in data_paths(data):
-        source_kind(path)
+        source_kind(path, field)
 
 
 def store_folder(prepared_cache: Optional[str], run_dir: str) -> str:
@@ -105,7 +114,7 @@ def inputs_for(training: Any, folder: str) -> StoreInputs:
     template = training.chat_template or "default"  # the tokenizer's own when it has one: in its files' hash
     if template not in ("default", "chatml", "tokenizer"):
         template = "file " + hashes.file_sha256(template, "training.chat_template")
-    held_out = f"{training.eval_fraction} by seed {training.seed}" if _held_out(training) else ""
+    held_out = f"eval_fraction {training.eval_fraction} by seed {training.seed}" if _held_out(training) else ""
     return StoreInputs(data_sha256=data, data_format=training.data_format, tokenizer_sha256=tokenizer,
                        chat_template=template, max_length=training.max_length, held_out=held_out)
 
@@ -338,6 +347,11 @@ class StoredDataset(TokenDataset):
                 self._ids = json.load(handle)
         return self._ids
 
+    def held_out(self) -> Optional["StoredDataset"]:
+        """The held-out part (training.eval_fraction), mapped; None in a store without one."""
+        path = os.path.join(self.path, EVAL)
+        return StoredDataset(path) if os.path.isdir(path) else None
+
     def sample(self, index: int) -> tuple[Any, Any]:
         import numpy as np
 
@@ -380,41 +394,125 @@ def _map(path: str, dtype: Any, count: int) -> Any:
 
 
 def write_store(folder: str, chunks: Any, chat: Any, inputs: StoreInputs, processes: Optional[int] = None,
-                progress: Optional[Callable[[int, int, int], None]] = None, total: int = 0) -> dict:
-    """The store's files in `folder` (made here), COMPLETE last, from `chunks` of samples (read_samples');
-    returns its meta."""
-    import numpy as np
-
+                progress: Optional[Callable[[int, int, int], None]] = None, total: int = 0,
+                held: Optional[Callable[[int, int], Any]] = None) -> dict:
+    """The store's files in `folder` (made here), COMPLETE last, from `chunks` of samples
+    (read_samples', in order); returns its meta. `held(first, count)`, when given, says which of
+    records first..first+count-1 (their index in the whole data) are held out: those go to
+    folder/eval (EVAL), in the same layout. A record is held out whole (a long text's pieces too)."""
     from jobgen.train.encode import encode_all, usable_cpus
 
     started = time.monotonic()
     processes = processes or usable_cpus()
     os.makedirs(folder)
-    lengths, counts, ids = [], [], []
-    with open(os.path.join(folder, "tokens.int32"), "wb") as tokens, open(os.path.join(folder, "learned.uint8"), "wb") as learned:
-        for chunk in encode_all(chunks, chat, processes, progress, total):
-            ids += chunk.ids
-            chunk.tokens.tofile(tokens)
-            chunk.learned.tofile(learned)
-            lengths.append(chunk.lengths)
-            counts.append(chunk.label_counts)
-        for handle in (tokens, learned):
-            handle.flush()
-            os.fsync(handle.fileno())
-    lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
-    offsets = np.zeros(len(lengths_all) + 1, dtype=np.int64)
-    np.cumsum(lengths_all, out=offsets[1:])
-    np.save(os.path.join(folder, "offsets.npy"), offsets)
-    np.save(os.path.join(folder, "label_counts.npy"), np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32))
-    _write_json(os.path.join(folder, "ids.json"), ids)
-    seconds = time.monotonic() - started
-    meta = {"inputs": asdict(inputs), "conversations": len(ids), "tokens": int(offsets[-1]),
-            "pad_token_id": chat.tokenizer.pad_token_id,
-            "processes": processes, "seconds": round(seconds, 3), "host": socket.gethostname(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    train = _Part(folder)
+    held_part = _Part(os.path.join(folder, EVAL)) if held else None
+    # Where each chunk given to encode_all goes, in order: encode_all keeps the order.
+    destinations: deque = deque()
+
+    def routed() -> Any:
+        first = 0
+        for chunk in chunks:
+            if held_part is None:
+                destinations.append(train)
+                yield chunk
+            else:
+                out = held(first, len(chunk))
+                for part, keep in ((train, ~out), (held_part, out)):
+                    picked = [sample for sample, kept in zip(chunk, keep) if kept]
+                    if picked:
+                        destinations.append(part)
+                        yield picked
+            first += len(chunk)
+
+    try:
+        for encoded in encode_all(routed(), chat, processes, progress, total):
+            destinations.popleft().add(encoded, encoded.ids)
+    finally:
+        train.close()
+        if held_part is not None:
+            held_part.close()
+    pad_id = chat.tokenizer.pad_token_id
+    meta = train.finish(pad_id)
+    if held_part is not None:
+        held_meta = held_part.finish(pad_id)
+        check_split(held_meta["conversations"], meta["conversations"], inputs.held_out)
+        _write_json(os.path.join(held_part.folder, "meta.json"), held_meta)  # what StoredDataset reads
+        meta["eval"] = {key: held_meta[key] for key in ("conversations", "tokens", "cut")}
+    meta.update({"inputs": asdict(inputs), "processes": processes, "seconds": round(time.monotonic() - started, 3),
+                 "host": socket.gethostname(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     _write_json(os.path.join(folder, "meta.json"), meta)
     _write_json(os.path.join(folder, COMPLETE), {"key": store_key(inputs)})
     return meta
+
+
+class _Part:
+    """One set of a store's arrays being written (the training conversations, or the held-out ones)."""
+
+    def __init__(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.folder = folder
+        self.tokens = open(os.path.join(folder, "tokens.int32"), "wb")
+        self.learned = open(os.path.join(folder, "learned.uint8"), "wb")
+        self.lengths: list[Any] = []
+        self.counts: list[Any] = []
+        self.uncut: list[Any] = []
+        self.ids: list[str] = []
+
+    def add(self, chunk: Any, ids: list[str]) -> None:
+        chunk.tokens.tofile(self.tokens)
+        chunk.learned.tofile(self.learned)
+        self.lengths.append(chunk.lengths)
+        self.counts.append(chunk.label_counts)
+        self.uncut.append(chunk.uncut)
+        self.ids += ids
+
+    def close(self) -> None:
+        for handle in (self.tokens, self.learned):
+            if not handle.closed:
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+
+    def finish(self, pad_id: Any) -> dict:
+        """offsets, label counts and ids written; returns the part's counts (for its meta.json)."""
+        import numpy as np
+
+        def joined(arrays: list[Any]) -> Any:
+            return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
+
+        lengths, uncut = joined(self.lengths), joined(self.uncut)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        np.save(os.path.join(self.folder, "offsets.npy"), offsets)
+        np.save(os.path.join(self.folder, "label_counts.npy"), joined(self.counts).astype(np.int32))
+        _write_json(os.path.join(self.folder, "ids.json"), self.ids)
+        # Conversations longer than max_length lose their end: how many, and how many tokens.
+        cut = {"conversations": int((uncut > lengths).sum()), "tokens_lost": int((uncut - lengths).sum())}
+        if cut["conversations"]:
+            longest = int(np.argmax(uncut))
+            cut["longest"] = {"id": self.ids[longest], "tokens": int(uncut[longest])}
+        return {"conversations": len(lengths), "tokens": int(offsets[-1]), "pad_token_id": pad_id, "cut": cut}
+
+
+def check_split(held: int, kept: int, held_out: str) -> None:
+    """A split that holds out no conversation, or all of them, is the user's to change."""
+    if held == 0:
+        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out none of the {kept} conversations "
+                        "(each is held out with that chance); raise eval_fraction, or give the eval set as training.eval_data")
+    if kept == 0:
+        raise UserError(f"training.eval_fraction: the split ({held_out}) holds out all {held} conversations and leaves "
+                        "none to train on; lower it")
+
+
+def cut_summary(meta: dict, max_length: int) -> str:
+    """The cut to max_length of a store's meta (or its "eval" part), for a line: "" when none was cut."""
+    cut = meta.get("cut") or {}
+    if not cut.get("conversations"):
+        return ""
+    longest = cut.get("longest") or {}
+    return (f"{cut['conversations']} of {meta['conversations']} conversations cut at max_length {max_length}, "
+            f"{cut['tokens_lost']} tokens lost; the longest, {longest.get('id')!r}, has {longest.get('tokens')} tokens")
 
 
 def _write_json(path: str, payload: Any) -> None:
@@ -445,14 +543,41 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
 
     def build(temp: str) -> None:
         chunks = read_samples(training.data, training.data_format)
-        total = count_records(training.data)
-        if _held_out(training):  # the split needs every record's index: read whole here
-            from jobgen.train.evaluation import split_eval
-
-            kept, _ = split_eval([s for chunk in chunks for s in chunk], training.eval_fraction, training.seed)
-            chunks, total = (kept[i:i + 1000] for i in range(0, len(kept), 1000)), len(kept)
         chat = ChatTokenizer(tokenizer(), training.max_length, training.chat_template, training.model)
-        write_store(temp, chunks, chat, inputs, processes, progress, total)
+        write_store(temp, chunks, chat, inputs, processes, progress, count_records(training.data), held_split(training))
 
     outcome = prepare_once(target, build, preparer, waiting)
     return StoredDataset(target), outcome
+
+
+def find_store(training: Any, run_dir: str) -> Optional[StoredDataset]:
+    """The complete store of `training` (paths resolved) where one is; prepares nothing."""
+    folder = store_folder(getattr(training, "prepared_cache", None), run_dir)
+    if not os.path.isdir(folder):
+        return None
+    try:
+        target = os.path.join(folder, store_key(inputs_for(training, folder)))
+    except UserError:  # a file missing: nothing prepared from it
+        return None
+    return StoredDataset(target) if is_complete(target) else None
+
+
+def held_split(training: Any) -> Optional[Callable[[int, int], Any]]:
+    """write_store's `held` for training.eval_fraction (by its seed); None without one."""
+    if not _held_out(training):
+        return None
+    from jobgen.train.evaluation import held_out_mask
+
+    return lambda first, count: held_out_mask(first, count, training.eval_fraction, training.seed)
+
+
+def ensure_eval_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], preparer: bool, store: StoredDataset,
+                      processes: Optional[int] = None, progress: Optional[Callable[[int, int, int], None]] = None,
+                      waiting: Optional[Callable[[float], None]] = None) -> tuple[Optional[StoredDataset], str]:
+    """The eval set of `training` beside its training `store`, mapped, and prepare_once's outcome:
+    training.eval_data's own store (prepared as ensure_store prepares a training file), or the
+    store's held-out part; (None, "") without either."""
+    if getattr(training, "eval_data", None):
+        as_data = training.model_copy(update={"data": training.eval_data, "eval_fraction": 0.0, "eval_data": None})
+        return ensure_store(as_data, run_dir, tokenizer, preparer, processes, progress, waiting)
+    return store.held_out(), ""

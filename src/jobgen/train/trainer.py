@@ -34,10 +34,9 @@ from typing import Any, Optional, Union
 from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
 from jobgen.train.background_save import BackgroundSaves
-from jobgen.job.conversations import Sample, load_conversations
 from jobgen.train.chat_template import CHATML, CHATML_JINJA, TOKENIZER
-from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
-from jobgen.train.evaluation import Evaluation, split_eval
+from jobgen.train.data import BatchOrder, ChatTokenizer, MicroBatches, split_global_batch
+from jobgen.train.evaluation import Evaluation
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
@@ -51,7 +50,7 @@ from jobgen.job.model_config import code_files_of, find_model_config, model_conf
 from jobgen.job.model_reference import check_model_reference
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer, use_hub_cache
 from jobgen.train.stop import StopRequest, signal_name
-from jobgen.train.store import check_data_path, ensure_store
+from jobgen.train.store import StoredDataset, check_data_path, cut_summary, ensure_eval_store, ensure_store
 
 log = logging.getLogger("jobgen.train")
 
@@ -125,7 +124,6 @@ class Prepared:
     output_dir: str
     precision: str
     placement: Placement
-    eval_conversations: list[Sample]
     ds_config: dict
     config_digest: str
     step_delay: float
@@ -167,14 +165,10 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
     # The records are read and checked where they are tokenized (the data phase, jobgen.train.store).
     check_data_path(resolved.data)
-    # The held-out conversations, which every rank evaluates its share of (training's are in the store).
-    eval_conversations: list[Sample] = []
+    # The eval set is in the store too (eval_data's own, or eval_fraction's held-out part).
     if resolved.eval_data:
         resolved = resolved.model_copy(update={"eval_data": _absolute(resolved.eval_data)})
-        eval_conversations = load_conversations(resolved.eval_data, training.data_format)
-    elif training.eval_fraction:
-        _, eval_conversations = split_eval(load_conversations(resolved.data, training.data_format),
-                                           training.eval_fraction, training.seed)
+        check_data_path(resolved.eval_data, "training.eval_data")
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
     # Checks the config; Trainer.run builds the one that runs once it knows the global batch (a
@@ -189,7 +183,6 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         output_dir=os.path.abspath(output_dir),
         precision=precision,
         placement=placement,
-        eval_conversations=eval_conversations,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
         step_delay=debug_step_delay(),
@@ -267,6 +260,7 @@ class Trainer:
         self._evaluated_step: Optional[int] = None  # the newest step evaluated (keep_best: in each checkpoint)
         self.clock = StartupClock()  # from the process's start: a restart's cost, phase by phase
         self.beat = Heartbeat(info.rank, health.node_name())  # what the node's hang supervisor reads
+        self.eval_set: Optional[StoredDataset] = None  # mapped in the data phase
 
     # --------------------------------------------------------------- set-up
     def run(self) -> None:
@@ -349,9 +343,8 @@ class Trainer:
             if dist.is_main:
                 log.info("chat template: %s", chat.template_name)
             self.evaluation = None
-            if self.p.eval_conversations:
-                held_out = TokenizedDataset(self.p.eval_conversations, chat, self.tokenizer.pad_token_id)
-                self.evaluation = Evaluation(held_out, dist.world_size, dist.rank, t.per_device_batch_size)
+            if self.eval_set is not None:
+                self.evaluation = Evaluation(self.eval_set, dist.world_size, dist.rank, t.per_device_batch_size)
             loading = time.perf_counter()
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
@@ -427,14 +420,25 @@ class Trainer:
 
         dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress if preparer else None,
                                         waiting=still_waiting)
+        # The eval set: eval_fraction's part of this store, or eval_data's own store.
+        self.eval_set, eval_outcome = ensure_eval_store(t, self.p.run_dir, tokenizer, preparer, dataset,
+                                                        progress=progress if preparer else None, waiting=still_waiting)
         rows = dataset.packed_rows(t.max_length, t.seed, preparer) if t.packing else None
         if dist.is_main:
             meta = dataset.meta
             said = {"found": "found, preparation skipped", "waited": "prepared by another process",
                     "prepared": f"prepared here in {meta['seconds']:.1f} s with {meta['processes']} processes "
                                 f"({meta['tokens'] / max(meta['seconds'], 1e-6) / 1e6:.2f} M tokens/s)"}[outcome]
-            log.info("data: store %s (%d conversations, %d tokens): %s; ready in %.2f s", dataset.path,
-                     meta["conversations"], meta["tokens"], said, time.perf_counter() - started)
+            cut = cut_summary(meta, t.max_length)
+            log.info("data: store %s (%d conversations, %d tokens%s): %s; ready in %.2f s", dataset.path,
+                     meta["conversations"], meta["tokens"], f"; {cut}" if cut else "", said, time.perf_counter() - started)
+            if self.eval_set is not None:
+                held = self.eval_set.meta
+                cut = cut_summary(held, t.max_length)
+                where = (f"training.eval_data, store {self.eval_set.path} ({eval_outcome})" if t.eval_data else
+                         f"eval_fraction {t.eval_fraction} of training.data held out by seed {t.seed}")
+                log.info("data: eval set %d conversations, %d tokens%s: %s", held["conversations"], held["tokens"],
+                         f"; {cut}" if cut else "", where)
         return MicroBatches.build(
             dataset, self.global_batch, dist.world_size, dist.rank, self.micro, self.accumulation, t.seed,
             t.group_by_length, t.max_length if t.packing else None, rows,
