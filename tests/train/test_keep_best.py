@@ -17,10 +17,11 @@ import yaml
 
 from tests.helpers import jobgen
 
-# A learning rate so high that the held-out loss jumps up at the last step (5), so the best (step 4) is
-# not the last step; an evaluation at every step, and no periodic checkpoint.
+# A learning rate so high that the held-out loss goes up again at the last step (5): with seed 1's
+# order and held-out records, 5.887 5.852 5.833 5.773 5.788 on torch 2.13's CPU build, so the
+# best (step 4) is not the last step; an evaluation at every step, and no periodic checkpoint.
 STEPS = 5
-SETTINGS = dict(eval_fraction=0.25, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
+SETTINGS = dict(eval_fraction=0.25, seed=1, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
                 max_steps=STEPS, learning_rate=1.0, lr_schedule="constant", max_length=96)
 
 
@@ -78,7 +79,7 @@ def test_the_best_checkpoint_is_kept_out_of_the_rotation_and_exported(runs, tiny
     # keep_checkpoints: 1 keeps the newest, and the best beside it.
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["best.json", f"step-{best_step:06d}", f"step-{STEPS:06d}"]
     # OUTPUT_DIR/best holds the best step's adapter: its held-out loss is the one recorded at that step.
-    held = [c for i, c in enumerate(load_conversations(str(tiny / "data.json"))) if held_out(i, SETTINGS["eval_fraction"], 42)]
+    held = [c for i, c in enumerate(load_conversations(str(tiny / "data.json"))) if held_out(i, SETTINGS["eval_fraction"], SETTINGS["seed"])]
     assert abs(held_out_loss(tiny, output / "best", held, SETTINGS["max_length"]) - evals[best_step]) < 1e-4
     assert abs(held_out_loss(tiny, output / "final", held, SETTINGS["max_length"]) - evals[STEPS]) < 1e-4
 

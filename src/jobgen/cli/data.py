@@ -36,7 +36,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
 
     from jobgen.job.conversations import read_samples
     from jobgen.job.preflight import working_directory
-    from jobgen.job.sources import data_paths
+    from jobgen.job.sources import data_paths, resolve_paths
     from jobgen.train.chat_template import CHATML, TOKENIZER
     from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
     from jobgen.train.modeling import load_tokenizer
@@ -68,7 +68,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
         click.echo(marked_text(chat.tokenizer, ids, learned))
     if not as_json:
         click.echo(_whole_data(training.model_copy(update={
-            "model": model, "data": os.path.join(base, training.data), "chat_template": template,
+            "model": model, "data": resolve_paths(training.data, base), "chat_template": template,
             "prepared_cache": os.path.join(base, training.prepared_cache) if training.prepared_cache else None,
         }), os.path.abspath(job.effective_run_dir)))
 

@@ -12,7 +12,7 @@ import click
 
 from jobgen.cli.options import config_argument, resolve, set_option, site_option
 from jobgen.errors import JobgenError
-from jobgen.job.sources import data_paths
+from jobgen.job.sources import resolve_paths
 
 
 @click.command()
@@ -36,9 +36,9 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     if template not in (None, "chatml", "tokenizer"):  # a Jinja file, as the trainer resolves it
         template = str((base / template).resolve())
     training = training.model_copy(update={
-        "model": model, "data": [str((base / path).resolve()) for path in data_paths(training.data)], "chat_template": template,
+        "model": model, "data": resolve_paths(training.data, str(base)), "chat_template": template,
         "prepared_cache": str((base / training.prepared_cache).resolve()) if training.prepared_cache else None,
-        "eval_data": str((base / training.eval_data).resolve()) if training.eval_data else None,
+        "eval_data": resolve_paths(training.eval_data, str(base)),
     })
     run_dir = str(Path(job.effective_run_dir).resolve())  # as submit makes it: against this directory
     try:

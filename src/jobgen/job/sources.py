@@ -52,6 +52,16 @@ def data_paths(value: Union[str, Sequence[str], None]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+def resolve_paths(value: Union[str, Sequence[str], None], base: str) -> Union[str, list[str], None]:
+    """`training.data` or `eval_data` (a path or a list) made absolute against `base`, keeping its
+    shape (the store key hashes the files' contents, not their paths)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return os.path.abspath(os.path.join(base, value))
+    return [os.path.abspath(os.path.join(base, path)) for path in value]
+
+
 def source_kind(path: str, field: str = "training.data") -> str:
     """"json" (an array or JSONL), "parquet" or "arrow" (a saved `datasets` folder); a UserError
     naming `field` for a path that is none of them."""

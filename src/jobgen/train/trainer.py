@@ -29,7 +29,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from jobgen.job.models import Job, Training
 from jobgen.train import checkpoint as ckpt
@@ -48,6 +48,7 @@ from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.job.model_config import code_files_of, find_model_config, model_config_problems
 from jobgen.job.model_reference import check_model_reference
+from jobgen.job.sources import resolve_paths
 from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer, use_hub_cache
 from jobgen.train.stop import StopRequest, signal_name
 from jobgen.train.store import StoredDataset, check_data_path, cut_summary, ensure_eval_store, ensure_store
@@ -136,16 +137,11 @@ def effective_precision(requested: str, cuda: bool) -> str:
     return requested
 
 
-def _absolute(data: Union[str, list[str]]) -> Union[str, list[str]]:
-    """training.data or eval_data (a path or a list) made absolute, keeping its shape (the store key hashes contents, not paths)."""
-    return os.path.abspath(data) if isinstance(data, str) else [os.path.abspath(path) for path in data]
-
-
 def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Prepared:
     """Validate inputs identically on every rank and place this one; raises UserError."""
     training = job.training
     model_ref = os.path.abspath(training.model) if os.path.exists(training.model) else training.model
-    resolved = training.model_copy(update={"model": model_ref, "data": _absolute(training.data)})
+    resolved = training.model_copy(update={"model": model_ref, "data": resolve_paths(training.data, os.getcwd())})
     if resolved.chat_template not in (None, CHATML, TOKENIZER):
         resolved = resolved.model_copy(update={"chat_template": os.path.abspath(resolved.chat_template)})
     if resolved.deepspeed_config:
@@ -167,7 +163,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     check_data_path(resolved.data)
     # The eval set is in the store too (eval_data's own, or eval_fraction's held-out part).
     if resolved.eval_data:
-        resolved = resolved.model_copy(update={"eval_data": _absolute(resolved.eval_data)})
+        resolved = resolved.model_copy(update={"eval_data": resolve_paths(resolved.eval_data, os.getcwd())})
         check_data_path(resolved.eval_data, "training.eval_data")
     placement = place(job.resources.gpus_per_node, local_rank, training.precision)
     precision = effective_precision(training.precision, placement.cuda)
