@@ -23,6 +23,13 @@ With `--datasets`, also, once after the repeats, the Hugging Face `datasets` map
 jobgen reads, then map with the same ChatTokenizer, batched, num_proc = the processes), if the
 package is installed (or in `--datasets-path`, a folder `pip install --target` filled).
 
+`--vocab-size N` tokenizes with a byte-level BPE tokenizer of N tokens trained on the first 2,000
+generated conversations (as a real model's tokenizer is trained on text like what it reads: whole
+words as one token), instead of the tiny model's 384, which splits every word into several
+tokens and so makes the tokenizer's own per-token work most of the cost. `--tokenizer DIR` tokenizes
+with the tokenizer saved in DIR (a real model's, or Mistral's Tekken made by
+benchmarks/tekken_tokenizer.py from a file the `mistral-common` package ships).
+
 `--jsonl` writes the data as JSONL, which the store's preparation reads line by line (a JSON array
 is one document, parsed whole); `--variants prepare` runs the preparation alone and prints the
 peak RSS of the preparing process and of a worker.
@@ -215,6 +222,37 @@ def run_datasets(data: str, model: str, processes: int) -> dict:
             "cpu_seconds": cpu, "tokens_per_cpu_second": tokens / cpu, "peak_rss_mb": memory()["VmHWM"]}
 
 
+def trained_tokenizer(work: Path, data: Path, vocab_size: int, tiny_model: str) -> str:
+    """The tiny model's folder with a tokenizer of `vocab_size` trained on the data's first 2,000
+    conversations in place of its own (the store reads only the tokenizer)."""
+    import shutil
+
+    from jobgen.train.tiny import build_tokenizer
+
+    folder = work / f"vocab-{vocab_size}"
+    if not (folder / "tokenizer.json").exists():
+        corpus = []
+        with open(data, encoding="utf-8") as handle:
+            records = (json.loads(line.rstrip(",\n")) for line in handle if line.startswith("{"))
+            for _, record in zip(range(2000), records):
+                corpus += [turn["value"] for turn in record["conversations"]]
+        shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+        build_tokenizer(corpus + ["user\n", "assistant\n", "system\n"], vocab_size).save_pretrained(folder)
+    return str(folder)
+
+
+def given_tokenizer(work: Path, tokenizer: str, tiny_model: str) -> str:
+    """The tiny model's folder with the tokenizer saved in `tokenizer` in place of its own."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = work / f"tokenizer-{Path(tokenizer).resolve().name}"
+    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
 # --- the driver ------------------------------------------------------------------------------------
 
 
@@ -238,6 +276,9 @@ def main() -> None:
     parser.add_argument("--jsonl", action="store_true", help="write the data as JSONL (read line by line) instead of a JSON array")
     parser.add_argument("--variants", nargs="+", default=["old", "prepare", "restart"], choices=["old", "prepare", "restart"],
                         help="which to run (the summary needs all three; `prepare` alone prints its peak RSS)")
+    parser.add_argument("--vocab-size", type=int, default=0,
+                        help="a tokenizer of this many tokens trained on the generated text (default: the tiny model's 384)")
+    parser.add_argument("--tokenizer", help="a folder with a saved Hugging Face tokenizer to tokenize with instead")
     parser.add_argument("--run", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -264,6 +305,10 @@ def main() -> None:
     if not (work / "tiny" / "model").exists():
         build(str(work / "tiny"), conversations=16)
     model = str(work / "tiny" / "model")
+    if args.vocab_size:
+        model = trained_tokenizer(work, data, args.vocab_size, model)
+    elif args.tokenizer:
+        model = given_tokenizer(work, args.tokenizer, model)
     print(f"# {args.conversations} conversations, {data.stat().st_size / 1e6:.0f} MB; {processes} processes; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     results: dict[str, list[dict]] = {}
