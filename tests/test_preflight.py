@@ -110,6 +110,37 @@ def test_a_local_model_folder_must_exist_and_hold_config_json(tmp_path: Path) ->
         assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
 
 
+def test_records_with_tools_are_refused_before_the_queue_where_the_job_trains_in_chatml(tmp_path: Path) -> None:
+    # The trainer refuses them at its start (tests/train/test_tool_calls.py); validate says the same
+    # line where the files tell the layout: ChatML set, or a model whose tokenizer has no template.
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    with_tools = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [call]},
+                  {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+                    + "\n" + json.dumps({"id": "w1", "messages": with_tools}) + "\n")
+    plain, templated = tmp_path / "plain", tmp_path / "templated"
+    for folder, tokenizer_config in ((plain, {}), (templated, {"chat_template": "{{ messages }}"})):
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    fix = ("has tool calls, results or definitions, and {} has no way to write them; set training.chat_template: "
+           "tokenizer for a model whose template renders tools (Llama 3.1, Qwen 2.5), or the path of a Jinja file that does")
+    where = f"training.chat_template: {data}: record 1 (id 'w1') "
+    cases = {
+        (plain, None): where + fix.format(f"ChatML (the tokenizer of {plain} has no chat template)"),
+        (templated, "chatml"): where + fix.format("ChatML (training.chat_template is chatml)"),
+        (templated, None): None,
+    }
+    for (model, template), message in cases.items():
+        settings = {"model": str(model), "data": str(data), **({"chat_template": template} if template else {})}
+        result = jobgen("validate", str(job_file(tmp_path, **settings)), cwd=tmp_path)
+        if message is None:
+            assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
+        else:
+            assert result.returncode == 2 and errors_of(result) == [f"jobgen: error: {message}"], (model, template, result.stderr)
+
+
 def test_a_path_this_machine_cannot_see_is_a_warning_and_the_submit_goes_on(tmp_path: Path) -> None:
     config = job_file(tmp_path, data=f"{UNSEEN_TOP}/data.json", model=f"{UNSEEN_TOP}/models/llama")
     result = jobgen("submit", "-s", "slurm", "--dry-run", str(config), cwd=tmp_path)

@@ -136,6 +136,7 @@ class DataCheck:
     format_source: str = ""
     problems: list[str] = field(default_factory=list)  # the first `max_problems`
     more_problems: int = 0  # problems past those
+    tool_record: str = ""  # the first record with tool calls, results or definitions, as "PATH: record N (id X)"
 
     @property
     def problem_count(self) -> int:
@@ -196,6 +197,8 @@ def check_conversations(
             result = _read_record(path, index, record, fmt)
             if not isinstance(result, Unreadable):
                 check.good += 1
+                if not check.tool_record and isinstance(result, Conversation) and result.uses_tools:
+                    check.tool_record = f"{path}: {_label(index, record)}"
             elif len(check.problems) < max_problems:
                 check.problems.append(result.message)
             else:
@@ -334,6 +337,16 @@ def _formats_of(record: Any) -> list[str]:
     if not isinstance(record, dict):
         return []
     return [name for name in FORMATS if FORMAT_FIELDS[name] in record]
+
+
+def no_tools_in(template_name: str, where: str) -> str:
+    """The one line refusing a conversation with tools in a layout that cannot write them (ChatML),
+    said by validate (jobgen.job.preflight) and by the trainer (jobgen.train.data)."""
+    return (
+        f"training.chat_template: {where} has tool calls, results or definitions, and {template_name} has no way to "
+        "write them; set training.chat_template: tokenizer for a model whose template renders tools (Llama 3.1, "
+        "Qwen 2.5), or the path of a Jinja file that does"
+    )
 
 
 def _label(index: int, record: Any) -> str:

@@ -180,6 +180,26 @@ def model_config_problems(model: str, method: str, trust_remote_code: bool) -> l
     return check_model_config(config, model, method, trust_remote_code, native_model_types())
 
 
+def has_chat_template(model: str) -> Optional[bool]:
+    """Whether `model`'s tokenizer (a local folder, or a hub name's snapshot in this machine's
+    cache) carries a chat template, as transformers loads one: tokenizer_config.json's
+    `chat_template`, chat_template.jinja or additional_chat_templates/ (and a processor's
+    chat_template.json). None where its tokenizer_config.json is not here to tell."""
+    config = find_model_config(model)
+    if config is None:
+        return None
+    folder = os.path.dirname(config.path)
+    if any(os.path.exists(os.path.join(folder, name))
+           for name in ("chat_template.jinja", "additional_chat_templates", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as handle:
+            tokenizer_config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return bool(isinstance(tokenizer_config, dict) and tokenizer_config.get("chat_template"))
+
+
 def code_files_of(model: str) -> list[str]:
     config = find_model_config(model)
     return config.code_files() if config else []

@@ -18,6 +18,10 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   name that is not complete in the cache the nodes use (jobgen.job.hub_cache) is a warning:
   nodes with internet download it, others cannot.
 - `training.chat_template`, when it names a Jinja file, must exist.
+- A record with tools (calls, results, definitions) is refused where the job trains in ChatML,
+  which cannot write them: `training.chat_template: chatml`, or the default with a model whose
+  tokenizer has no chat template (jobgen.job.model_config.has_chat_template), as the trainer
+  would refuse it at its start.
 - A path whose top-level folder this machine lacks (/scratch mounted on the nodes only), or in a
   folder it may not look into, is not checked: a warning, never a refusal.
 - `launch.entrypoint: jobgen-probe` uses neither path, so nothing is checked.
@@ -65,6 +69,7 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
 
     lines: list[str] = []
     listed = more = 0
+    tool_record = ""
     paths = [os.path.abspath(os.path.join(base, given)) for given in data_paths(getattr(job.training, field.split(".")[1]))]
     for path in paths:
         error, warning = _where_missing(field, path, "file")
@@ -81,9 +86,29 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
             lines += check.problems
             listed += len(check.problems)
             more += check.more_problems
+            tool_record = tool_record or check.tool_record
     if more:
         lines.append(f"{paths[0] if len(paths) == 1 else field}: {more} more bad records ({listed + more} in all; the first {listed} are above)")
+    if tool_record and not lines:  # every record reads: can the job's layout write their tools?
+        return _tools_in_chatml(job, base, tool_record)
     return "\n".join(lines) or None
+
+
+def _tools_in_chatml(job: Job, base: str, record: str) -> Optional[str]:
+    """The trainer's refusal of a record with tools in ChatML, said before the queue where the
+    files tell that the job trains in ChatML: set so, or the default with a model (a local folder,
+    or a hub name in this machine's cache) whose tokenizer has no chat template. A template that
+    drops tools shows only when rendered, at `jobgen data` or the trainer's start."""
+    from jobgen.job.conversations import no_tools_in
+    from jobgen.job.model_config import has_chat_template
+
+    setting = job.training.chat_template
+    if setting == "chatml":
+        return no_tools_in("ChatML (training.chat_template is chatml)", record)
+    model = os.path.join(base, job.training.model)
+    if setting is None and has_chat_template(model if os.path.isdir(model) else job.training.model) is False:
+        return no_tools_in(f"ChatML (the tokenizer of {job.training.model} has no chat template)", record)
+    return None
 
 
 def _check_records(job: Job, field: str, path: str, max_problems: int, warnings: list[str]):

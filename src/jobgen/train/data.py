@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample, no_tools_in
 from jobgen.train.chat_template import (
     CHATML, NotExact, has_generation_marks, marked_spans, render, rendered_spans, resolve_template,
 )
@@ -98,11 +98,7 @@ class ChatTokenizer:
 
     def refuse_tools_in_chatml(self, conversation: Conversation) -> None:
         if conversation.uses_tools:
-            raise UserError(
-                f"training.chat_template: conversation {conversation.id!r} has tool calls, results or definitions, "
-                f"and {self.template_name} has no way to write them; set training.chat_template: tokenizer for a "
-                "model whose template renders tools (Llama 3.1, Qwen 2.5), or the path of a Jinja file that does"
-            )
+            raise UserError(no_tools_in(self.template_name, f"conversation {conversation.id!r}"))
 
     def _chatml(self, conversation: Conversation) -> tuple[list[int], list[int]]:
         self.refuse_tools_in_chatml(conversation)
