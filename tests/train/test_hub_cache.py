@@ -85,7 +85,7 @@ def test_the_jobs_variables_choose_its_cache_else_the_users(monkeypatch) -> None
     assert job_cache({"OTHER": "1"}).path == "/home/me/hf/hub"
 
 
-def write_job(folder: Path, tiny: Path, hf_home: Path, model: str = MODEL, name: str = "hub", steps: int = 2) -> Path:
+def write_job(folder: Path, tiny: Path, hf_home: Path, model: str = MODEL, name: str = "hub", steps: int = 2, **training) -> Path:
     from tests.train.conftest import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def write_job(folder: Path, tiny: Path, hf_home: Path, model: str = MODEL, name:
         "launch": {"procs_per_node": 1, "master_port": free_port()},
         "environment": {"variables": {"HF_HOME": str(hf_home)}},
         "training": {"model": model, "data": "data.json", "method": "lora", "precision": "fp32", "per_device_batch_size": 2,
-                     "max_length": 64, "max_steps": steps, "save_interval": 100, "lora": {"r": 4, "alpha": 8}},
+                     "max_length": 64, "max_steps": steps, "save_interval": 100, "lora": {"r": 4, "alpha": 8}, **training},
     }))
     return folder / "job.yaml"
 
@@ -217,3 +217,84 @@ def test_stage_model_downloads_what_training_needs_into_the_jobs_cache(tiny: Pat
     assert stage_model(pinned, progress=lines.append).commit == COMMIT and len(calls) == 1  # already there
     local = job.model_copy(update={"training": job.training.model_copy(update={"model": str(tiny / "model")})})
     assert stage_model(local, progress=lines.append) is None
+
+
+def test_a_run_keeps_the_commit_it_started_with_when_the_branch_moves(tiny: Path, hf_home: Path, tmp_path: Path) -> None:
+    """The first start pins the commit main points at (RUN_DIR/model-commit.json); then main moves
+    in the shared cache (someone downloads the model's new commit) and the run, resubmitted for
+    more steps, still loads the commit it started with, while a new run loads the new one."""
+    home = tmp_path / "hf"
+    shutil.copytree(hf_home, home, symlinks=True)
+    write_job(tmp_path / "job", tiny, home, name="pinned", lr_schedule="constant")  # a constant rate resumes to more steps
+    first = jobgen(tmp_path / "job", "submit", "-s", "local", "job.yaml")
+    run_dir = tmp_path / "job" / "runs" / "pinned"
+    assert first.returncode == 0, first.stdout + first.stderr + run_logs(run_dir)
+    assert json.loads((run_dir / "model-commit.json").read_text()) == {"model": MODEL, "revision": "main", "commit": COMMIT}
+
+    moved = "fedcba9876543210fedcba9876543210fedcba98"
+    build_hub_cache(home, MODEL, tiny / "model", commit=moved)  # refs/main now names the new snapshot
+    write_job(tmp_path / "job", tiny, home, name="pinned", steps=4, lr_schedule="constant")
+    again = jobgen(tmp_path / "job", "submit", "-s", "local", "job.yaml")
+    logs = run_logs(run_dir)
+    assert again.returncode == 0, again.stdout + again.stderr + logs
+    assert (f"training.model {MODEL}: this run is pinned to commit {COMMIT}, the one it started with (model-commit.json); "
+            f"main is now {moved[:12]} in the cache, which a new run would train on") in logs
+    assert f"training.model {MODEL} at revision {COMMIT}: commit {COMMIT} from the cache" in logs
+    assert f"commit {moved} from the cache" not in logs
+    exit_report = json.loads((run_dir / "trainer-exit.json").read_text())
+    assert (exit_report["reason"], exit_report["last_step"]) == ("completed", 4), exit_report
+
+    write_job(tmp_path / "new", tiny, home, name="new")
+    fresh = jobgen(tmp_path / "new", "submit", "-s", "local", "job.yaml")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert json.loads((tmp_path / "new" / "runs" / "new" / "model-commit.json").read_text())["commit"] == moved
+
+
+# `jobgen prepare` with huggingface_hub.snapshot_download replaced by one that lays out what the hub
+# would send at commit argv[1] (no test reaches the hub): prints DOWNLOAD for each call.
+STAND_IN_HUB_PREPARE = """
+import fnmatch, shutil, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import huggingface_hub
+from tests.train.test_hub_cache import build_hub_cache
+
+def snapshot_download(repo_id, revision, cache_dir, allow_patterns, **kwargs):
+    print("DOWNLOAD", revision, flush=True)
+    sent = Path(tempfile.mkdtemp())
+    for file in Path({model!r}).iterdir():
+        if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+            shutil.copy(file, sent / file.name)
+    return str(build_hub_cache(Path(cache_dir).parent, repo_id, sent, commit=sys.argv[1]))
+
+huggingface_hub.snapshot_download = snapshot_download
+from jobgen.cli import main
+main(["prepare", "job.yaml"])
+"""
+
+
+def test_stand_in_hub_jobgen_prepare_pins_what_it_downloads_and_keeps_the_pin(tiny: Path, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    folder = write_job(tmp_path / "job", tiny, home, name="prepared").parent
+    script = STAND_IN_HUB_PREPARE.format(repo=str(Path(__file__).parents[2]), model=str(tiny / "model"))
+    env = clean_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")  # the tokenizer is read from what was staged
+
+    def prepare(hub_main: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, hub_main], cwd=folder, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    run_dir = folder / "runs" / "prepared"
+    first = prepare(COMMIT)
+    assert first.returncode == 0 and first.stdout.splitlines() == ["DOWNLOAD main"], first.stdout + first.stderr
+    assert (f"jobgen: training.model: commit {COMMIT} pinned for this run ({run_dir}/model-commit.json): "
+            "its starts and restarts load it, wherever main points then") in first.stderr
+    assert json.loads((run_dir / "model-commit.json").read_text())["commit"] == COMMIT
+
+    moved = "fedcba9876543210fedcba9876543210fedcba98"
+    build_hub_cache(home, MODEL, tiny / "model", commit=moved)  # main has moved in the cache since
+    again = prepare(moved)
+    assert again.returncode == 0 and again.stdout == "", again.stdout + again.stderr  # the pinned commit is there
+    assert (f"jobgen: training.model: this run is pinned to commit {COMMIT}, the one it started with "
+            f"({run_dir}/model-commit.json)") in again.stderr
+    assert f"{MODEL} at revision {COMMIT} is already in {home}/hub (commit {COMMIT})" in again.stderr
+    assert "was prepared already" in again.stderr  # the same tokenizer: the same store

@@ -37,6 +37,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     from jobgen.job.conversations import read_samples
     from jobgen.job.preflight import working_directory
     from jobgen.job.sources import data_paths, resolve_paths
+    from jobgen.rundir.model_pin import load_revision
     from jobgen.train.chat_template import CHATML, TOKENIZER
     from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
     from jobgen.train.modeling import load_tokenizer
@@ -49,7 +50,9 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     template = training.chat_template
     if template not in (None, CHATML, TOKENIZER):
         template = os.path.join(base, template)
-    tokenizer = load_tokenizer(model, training.model_revision, trust_remote_code=training.trust_remote_code)
+    run_dir = os.path.abspath(job.effective_run_dir)
+    revision = load_revision(run_dir, model, training.model_revision)  # the run's pinned commit, where it has one
+    tokenizer = load_tokenizer(model, revision, trust_remote_code=training.trust_remote_code)
     chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
     paths = [os.path.join(base, path) for path in data_paths(training.data)]
     # Read only as far as the samples shown: the first chunk of the first file, usually.
@@ -68,9 +71,9 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
         click.echo(marked_text(chat.tokenizer, ids, learned))
     if not as_json:
         click.echo(_whole_data(training.model_copy(update={
-            "model": model, "data": resolve_paths(training.data, base), "chat_template": template,
+            "model": model, "model_revision": revision, "data": resolve_paths(training.data, base), "chat_template": template,
             "prepared_cache": os.path.join(base, training.prepared_cache) if training.prepared_cache else None,
-        }), os.path.abspath(job.effective_run_dir)))
+        }), run_dir))
 
 
 def _whole_data(training, run_dir: str) -> str:

@@ -42,7 +42,6 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     })
     run_dir = str(Path(job.effective_run_dir).resolve())  # as submit makes it: against this directory
     try:
-        from jobgen.job.hub_stage import stage_model
         from jobgen.job.model_reference import check_model_reference
         from jobgen.train.encode import Progress
         from jobgen.train.modeling import load_tokenizer
@@ -51,8 +50,8 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
         raise JobgenError(f"jobgen prepare tokenizes on this machine and needs the training packages ({error.name} "
                           "is missing): pip install 'jobgen[train]'") from None
     check_model_reference(training.model)
-    if not os.path.isdir(training.model):  # a hub name: into the nodes' cache first
-        stage_model(job, progress=lambda line: click.echo(f"jobgen: {line}", err=True))
+    if not os.path.isdir(training.model):  # a hub name: into the nodes' cache first, its tokenizer read at that commit
+        training = training.model_copy(update={"model_revision": _stage(job, run_dir)})
     started = time.monotonic()
     tty = sys.stderr.isatty()
     width = [0]
@@ -89,6 +88,31 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     if training.packing:
         dataset.packed_rows(training.max_length, training.seed, preparer=True)
     click.echo(f"jobgen: the job's ranks will map it; {time.monotonic() - started:.1f} s in all", err=True)
+
+
+def _stage(job: Any, run_dir: str) -> str:
+    """The job's hub model into the cache its nodes use (jobgen.job.hub_stage), at the commit the
+    run is pinned to, else at its revision, pinning the commit that came (jobgen.rundir.model_pin);
+    returns the revision the run loads."""
+    from jobgen.job.hub_stage import stage_model
+    from jobgen.rundir.files import MODEL_COMMIT
+    from jobgen.rundir.model_pin import needs_pin, pin_commit, pinned_commit
+
+    def say(line: str) -> None:
+        click.echo(f"jobgen: {line}", err=True)
+
+    model, revision = job.training.model, job.training.model_revision
+    pinned = pinned_commit(run_dir, model, revision) if needs_pin(model, revision) else None
+    if pinned:
+        say(f"training.model: this run is pinned to commit {pinned}, the one it started with ({run_dir}/{MODEL_COMMIT})")
+        job = job.model_copy(update={"training": job.training.model_copy(update={"model_revision": pinned})})
+    cached = stage_model(job, progress=say)
+    if pinned or cached is None or not needs_pin(model, revision):
+        return pinned or revision
+    pin_commit(run_dir, model, revision, cached.commit)
+    say(f"training.model: commit {cached.commit} pinned for this run ({run_dir}/{MODEL_COMMIT}): "
+        f"its starts and restarts load it, wherever {revision} points then")
+    return cached.commit
 
 
 def _said(dataset: Any, outcome: str, max_length: int, field: str = "") -> None:

@@ -15,7 +15,9 @@ and read back by every command that explains it.
     metrics.py     the trainer's metrics and start-up records, read without torch
     progress.py    live progress: `jobgen logs -f` and a local run's terminal
     plot.py        `jobgen plot`
+    model_pin.py   a hub model's commit, pinned for the run so that its restarts load what it
+                   started with
 
 May import jobgen.job, jobgen.schedulers and jobgen.script; nothing above. The trainer writes
-into the run directory with these names (jobgen.train imports files.py and metrics.py).
+into the run directory with these names (jobgen.train imports files.py, metrics.py and model_pin.py).
 """

@@ -109,7 +109,7 @@ def inputs_for(training: Any, folder: str) -> StoreInputs:
     """The inputs of `training` (paths resolved); hashes of unchanged files come from the folder's cache."""
     hashes = _HashCache(folder)
     data = data_sha256(training.data, hashes)
-    tokenizer = tokenizer_fingerprint(training.model, hashes)
+    tokenizer = tokenizer_fingerprint(training.model, hashes, getattr(training, "model_revision", "main"))
     hashes.save()
     template = training.chat_template or "default"  # the tokenizer's own when it has one: in its files' hash
     if template not in ("default", "chatml", "tokenizer"):
@@ -138,8 +138,9 @@ def _held_out(training: Any) -> bool:
     return bool(getattr(training, "eval_fraction", 0)) and not getattr(training, "eval_data", None)
 
 
-def tokenizer_fingerprint(model: str, hashes: "_HashCache") -> str:
-    """A local model folder: its tokenizer files' contents. A hub name: the tokenizer as loaded."""
+def tokenizer_fingerprint(model: str, hashes: "_HashCache", revision: str = "main") -> str:
+    """A local model folder: its tokenizer files' contents. A hub name: the tokenizer as loaded at
+    `revision` (the run's pinned commit: jobgen.rundir.model_pin)."""
     digest = hashlib.sha256()
     if os.path.isdir(model):
         for name in TOKENIZER_FILES:
@@ -149,7 +150,7 @@ def tokenizer_fingerprint(model: str, hashes: "_HashCache") -> str:
         return digest.hexdigest()
     from jobgen.train.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, revision)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     digest.update(json.dumps([tokenizer.special_tokens_map, getattr(tokenizer, "chat_template", None)],

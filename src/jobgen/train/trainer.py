@@ -40,12 +40,14 @@ from jobgen.train.evaluation import Evaluation
 from jobgen.train.distributed import Distributed, Placement, RankInfo, place
 from jobgen.train.dsconfig import build_config, compiled_op_notice, digest, hidden_size_of, without_split
 from jobgen.errors import UserError
-from jobgen.rundir.files import BEST_MODEL, FINAL_MODEL
+from jobgen.rundir.files import BEST_MODEL, FINAL_MODEL, MODEL_COMMIT
+from jobgen.rundir.model_pin import needs_pin, pin_commit, pinned_commit
 from jobgen.train.best import BestSoFar, restore_pointer, write_pointer
 from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train import health
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
+from jobgen.job.hub_cache import environment_cache, look_up
 from jobgen.job.model_config import code_files_of, find_model_config, model_config_problems
 from jobgen.job.model_reference import check_model_reference
 from jobgen.job.sources import resolve_paths
@@ -127,6 +129,7 @@ class Prepared:
     placement: Placement
     ds_config: dict
     config_digest: str
+    resume_fields: dict  # resume_settings of the job's training: what a checkpoint keeps and a resume compares
     step_delay: float
 
 
@@ -152,7 +155,10 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
-    use_hub_cache(resolved.model, resolved.model_revision)  # before anything reads the hub's settings
+    state_fields = resume_settings(resolved)  # the job's revision, not the commit it is pinned to
+    # Before anything reads the hub's settings; the model, its tokenizer and the store's key at
+    # the run's pinned commit, where a branch names it.
+    resolved = resolved.model_copy(update={"model_revision": _pinned_revision(run_dir, resolved)})
     problems = model_config_problems(resolved.model, training.method, training.trust_remote_code)
     if problems:
         raise UserError("\n".join(problems))
@@ -171,7 +177,6 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # checkpoint's, when resuming) and how this world size splits it.
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config,
                              hidden_size=model_hidden_size(resolved.model))
-    state_fields = resume_settings(resolved)
     return Prepared(
         job=job,
         training=resolved,
@@ -181,8 +186,34 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         placement=placement,
         ds_config=ds_config,
         config_digest=digest({"training": state_fields, "deepspeed": without_split(ds_config)}),
+        resume_fields=state_fields,
         step_delay=debug_step_delay(),
     )
+
+
+def _pinned_revision(run_dir: str, training: Training) -> str:
+    """The revision the model loads at (jobgen.rundir.model_pin): the job's, where it is a local
+    folder or a commit; else the commit the run is pinned to; else, on the run's first start, the
+    commit this node's cache holds, pinned now. Not staged here, the model is downloaded at its
+    load and pinned then (Trainer._pin_downloaded_model)."""
+    model, revision = training.model, training.model_revision
+    if not needs_pin(model, revision):
+        use_hub_cache(model, revision)
+        return revision
+    pinned = pinned_commit(run_dir, model, revision)
+    cached = use_hub_cache(model, pinned or revision)
+    if pinned:
+        now = look_up(model, revision, environment_cache()).commit
+        moved = f"; {revision} is now {now[:12]} in the cache, which a new run would train on" if now and now != pinned else ""
+        log.info("training.model %s: this run is pinned to commit %s, the one it started with (%s)%s",
+                 model, pinned, MODEL_COMMIT, moved)
+        return pinned
+    if cached is None or not cached.staged:
+        return revision
+    winner = pin_commit(run_dir, model, revision, cached.commit)
+    if winner != cached.commit:  # another node pinned first, from its own cache
+        use_hub_cache(model, winner)
+    return winner
 
 
 def total_steps_of(training: Training, steps_per_epoch: int) -> int:
@@ -345,6 +376,7 @@ class Trainer:
             model = load_model(t, self.p.precision, dist.device, self.p.ds_config)
             if dist.is_main:
                 log.info("model %s loaded in %.1f s", t.model, time.perf_counter() - loading)
+                self._pin_downloaded_model()
         except UserError as exc:
             error = exc
         dist.raise_together(error)
@@ -457,9 +489,18 @@ class Trainer:
             )
         return int(saved)
 
+    def _pin_downloaded_model(self) -> None:
+        """Rank 0: a hub model not in the cache at the start (not pinned) was downloaded by its
+        load; the commit it came at is pinned now, so that the run's restarts load it too."""
+        t = self.t
+        if needs_pin(t.model, t.model_revision):
+            cached = look_up(t.model, t.model_revision, environment_cache())
+            if cached.staged:
+                pin_commit(self.p.run_dir, t.model, t.model_revision, cached.commit)
+
     def _changed_fields(self, found: ckpt.Found) -> list[str]:
         saved = found.state.get("training", {})
-        now = resume_settings(self.t)
+        now = self.p.resume_fields
         return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)) or ["deepspeed config"]
 
     # ----------------------------------------------------------------- loop
@@ -624,7 +665,7 @@ class Trainer:
             "global_batch": order.global_batch,
             "split": {"micro_batch": self.micro, "accumulation": self.accumulation},
             "config_digest": self.p.config_digest,
-            "training": resume_settings(self.t),
+            "training": self.p.resume_fields,
             "lr_scheduler": self.scheduler.state_dict(),
             "chat_template": template_digest(self.chat.chat_template),
         }
