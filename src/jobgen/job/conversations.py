@@ -146,9 +146,12 @@ class DataCheck:
         """The problems, and a last line counting those not listed."""
         if not self.more_problems:
             return list(self.problems)
-        return self.problems + [
-            f"{path}: {self.more_problems} more bad records ({self.problem_count} in all; the first {len(self.problems)} are above)"
-        ]
+        return self.problems + [more_problems_line(path, len(self.problems), self.more_problems)]
+
+
+def more_problems_line(where: str, listed: int, more: int) -> str:
+    """The last line of a list of bad records cut at MAX_PROBLEMS: how many were not listed."""
+    return f"{where}: {more} more bad records ({listed + more} in all; the first {listed} are above)"
 
 
 def read_samples(data: Union[str, Sequence[str]], data_format: str = "auto") -> Iterator[list[Sample]]:
@@ -264,10 +267,8 @@ def _read_text(path: str, max_chars: int = -1) -> str:
 def _parse_head(path: str, text: str) -> list[Any]:
     """The records of the start of a file, leaving out the record that the cut splits."""
     if not text.lstrip().startswith("["):
-        import io
-
-        body = text[: text.rfind("\n") + 1]
-        return [record for chunk in _jsonl_records(path, io.StringIO(body)) for _, record in chunk]
+        lines = text[: text.rfind("\n") + 1].splitlines(keepends=True)
+        return [record for chunk in jsonl_chunks(path, lines, CHUNK_RECORDS) for _, record in chunk]
     decoder = json.JSONDecoder()
     records: list[Any] = []
     position = text.index("[") + 1
@@ -292,10 +293,6 @@ def _parse_head(path: str, text: str) -> list[Any]:
         if text[position] != ",":
             raise not_json(path, json.JSONDecodeError("Expecting ',' delimiter", text, position))
         position += 1
-
-
-def _jsonl_records(path: str, lines: Any) -> Iterator[Chunk]:
-    return jsonl_chunks(path, lines, CHUNK_RECORDS)
 
 
 def _skip_json_space(text: str, position: int) -> int:

@@ -64,7 +64,7 @@ def working_directory(job: Job) -> str:
 def _check_data(job: Job, base: str, warnings: list[str], field: str = "training.data") -> Optional[str]:
     """Every file of training.data (or eval_data) read as the trainer reads it; the bad records of
     all of them listed together, up to MAX_PROBLEMS."""
-    from jobgen.job.conversations import MAX_PROBLEMS
+    from jobgen.job.conversations import MAX_PROBLEMS, more_problems_line
     from jobgen.job.sources import data_paths
 
     lines: list[str] = []
@@ -88,7 +88,7 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
             more += check.more_problems
             tool_record = tool_record or check.tool_record
     if more:
-        lines.append(f"{paths[0] if len(paths) == 1 else field}: {more} more bad records ({listed + more} in all; the first {listed} are above)")
+        lines.append(more_problems_line(paths[0] if len(paths) == 1 else field, listed, more))
     if tool_record and not lines:  # every record reads: can the job's layout write their tools?
         return _tools_in_chatml(job, base, tool_record)
     return "\n".join(lines) or None

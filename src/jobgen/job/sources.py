@@ -62,6 +62,11 @@ def resolve_paths(value: Union[str, Sequence[str], None], base: str) -> Union[st
     return [os.path.abspath(os.path.join(base, path)) for path in value]
 
 
+def data_files(value: Union[str, Sequence[str], None]) -> list[str]:
+    """Every file `training.data` reads, in order: a saved `datasets` folder's Arrow files in its place."""
+    return [name for path in data_paths(value) for name in (arrow_files(path) if source_kind(path) == "arrow" else [path])]
+
+
 def source_kind(path: str, field: str = "training.data") -> str:
     """"json" (an array or JSONL), "parquet" or "arrow" (a saved `datasets` folder); a UserError
     naming `field` for a path that is none of them."""

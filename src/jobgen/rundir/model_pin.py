@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -53,8 +54,11 @@ def pin_commit(run_dir: str, model: str, revision: str, commit: str) -> str:
     if path.exists():  # a pin of the job's earlier model or revision: this one replaces it
         write_atomic(path, text)
         return commit
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
-    temp.write_text(text, encoding="utf-8")
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    temp = Path(temp_name)
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.chmod(temp, 0o644)
     try:
         os.link(temp, path)
     except FileExistsError:

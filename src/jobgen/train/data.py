@@ -47,12 +47,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample, no_tools_in
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, IGNORE_INDEX, Conversation, Sample, no_tools_in
 from jobgen.train.chat_template import (
     CHATML, NotExact, has_generation_marks, marked_spans, render, rendered_spans, resolve_template,
 )
 
-IGNORE_INDEX = -100
 RENDERS_TOOLS = "a Jinja file that renders tools (the model family's own, as Llama 3.1 and Qwen 2.5 publish theirs)"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 

@@ -30,10 +30,10 @@ def held_out_mask(first: int, count: int, fraction: float, seed: int) -> Any:
     A record is held out when a hash of (seed, index) (splitmix64, twice) falls below `fraction`."""
     import numpy as np
 
-    key = np.uint64(_splitmix64(seed & _MASK64))
     indices = np.arange(first, first + count, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        mixed = _splitmix64_array(indices ^ key)
+        key = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
+        mixed = _splitmix64(indices ^ key)
     return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
 
@@ -42,14 +42,8 @@ def held_out(index: int, fraction: float, seed: int) -> bool:
     return bool(held_out_mask(index, 1, fraction, seed)[0])
 
 
-def _splitmix64(value: int) -> int:
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
-def _splitmix64_array(values: Any) -> Any:
+def _splitmix64(values: Any) -> Any:
+    """splitmix64's finalizer on a uint64 array (wrapping: the caller ignores numpy's overflow)."""
     import numpy as np
 
     values = values + np.uint64(0x9E3779B97F4A7C15)

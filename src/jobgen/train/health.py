@@ -124,10 +124,9 @@ class HashCache:
 
 def data_hash(cache: HashCache, data: Any) -> dict[str, Any]:
     """Size and SHA-256 of training.data: a file's own, else of its files (a folder's data files) together."""
-    from jobgen.job.sources import arrow_files, data_paths, source_kind
+    from jobgen.job.sources import data_files
 
-    files = [name for path in data_paths(data)
-             for name in (arrow_files(path) if source_kind(path) == "arrow" else [path])]
+    files = data_files(data)
     if len(files) == 1:
         return cache.file_hash(files[0])
     each = [cache.file_hash(name) for name in files]

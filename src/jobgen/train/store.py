@@ -122,15 +122,12 @@ def inputs_for(training: Any, folder: str) -> StoreInputs:
 def data_sha256(data: Any, hashes: "_HashCache") -> str:
     """The content of `training.data`: a file's SHA-256 (as before lists and folders were read),
     else the hash of each file's name and SHA-256, a folder's data files included, in order."""
-    from jobgen.job.sources import arrow_files, data_paths, source_kind
+    from jobgen.job.sources import data_files, data_paths, source_kind
 
     paths = data_paths(data)
     if len(paths) == 1 and source_kind(paths[0]) != "arrow":
         return hashes.file_sha256(paths[0], "training.data")
-    lines = []
-    for path in paths:
-        files = arrow_files(path) if source_kind(path) == "arrow" else [path]
-        lines += [f"{os.path.basename(name)}:{hashes.file_sha256(name, 'training.data')}" for name in files]
+    lines = [f"{os.path.basename(name)}:{hashes.file_sha256(name, 'training.data')}" for name in data_files(data)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
