@@ -15,7 +15,6 @@ every path) slows its steps so that a test can interrupt it mid-training.
 
 from __future__ import annotations
 
-import calendar
 import hashlib
 import json
 import os
@@ -383,6 +382,9 @@ def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_s
     # record its end) and starts it again under the same id; it resumes from its last periodic
     # checkpoint.
     subprocess.run([str(torque.bin / "qrerun"), job_id], check=True, capture_output=True)
+    # Taken here, to the microsecond: the segment's started_at has whole seconds only, so the
+    # killed run's last line can fall in the rerun's first second.
+    killed_at = time.time()
     finished(torque, job_id)
     first, second = status(torque, folder, job_id)["segments"]
     assert first["outcome"] == "killed by the scheduler" and first["ended_at"], first
@@ -390,9 +392,8 @@ def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_s
     # From its last periodic checkpoint; and no rank of the killed run trained on beside the
     # rerun (torchrun's ranks live in sessions of their own, which Torque does not kill).
     assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", SAVE_INTERVAL, 1), second
-    rerun_started = calendar.timegm(time.strptime(second["started_at"], "%Y-%m-%dT%H:%M:%SZ"))
     steps_since = [json.loads(line)["step"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
-                   if json.loads(line)["time"] >= rerun_started]
+                   if json.loads(line)["time"] >= killed_at]
     assert steps_since == list(range(SAVE_INTERVAL + 1, MAX_STEPS + 1))
     table = jobgen_as(torque, folder, "status", str(run_dir)).stdout
     assert "killed by the scheduler" in table and "running or lost" not in table
