@@ -141,7 +141,7 @@ def _json_chunks(path: str, size: int) -> Iterator[Chunk]:
     except UnicodeDecodeError:
         raise UserError(f"{path}: {file_not_utf8_message(path)}") from None
     except OSError as exc:
-        raise UserError(f"training.data: cannot read {path!r}: {exc.strerror}") from None
+        raise UserError(f"cannot read {path!r}: {exc.strerror}") from None  # training.data or eval_data: the path says which
 
 
 def jsonl_chunks(path: str, lines: Any, size: int) -> Iterator[Chunk]:
@@ -196,7 +196,7 @@ def _pyarrow(path: str) -> Any:
         import pyarrow.ipc  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise UserError(f"training.data: {path!r} needs pyarrow, which is not installed: {PYARROW}") from None
+        raise UserError(f"{path!r} needs pyarrow, which is not installed: {PYARROW}") from None
     return pyarrow
 
 

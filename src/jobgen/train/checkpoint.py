@@ -45,9 +45,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jobgen.errors import UserError
+from jobgen.files import fsync_directory
 from jobgen.train import best as best_checkpoint
 from jobgen.train import reshard
-from jobgen.train.exit_report import fsync_directory, write_json_atomically
+from jobgen.train.exit_report import write_json_atomically
 
 log = logging.getLogger("jobgen.train")
 

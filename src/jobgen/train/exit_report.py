@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Optional
 
+from jobgen.files import replace_atomically
 from jobgen.rundir.files import TRAINER_EXIT
 from jobgen.train.metrics import this_segment
 
@@ -61,25 +62,9 @@ class ExitReport:
 
 
 def write_json_atomically(path: str, payload: dict) -> None:
-    """Write `payload` to `path` so that readers never see a partial file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_directory(directory)
-
-
-def fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write `payload` to `path` so that readers never see a partial file, and it survives a crash."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    replace_atomically(path, json.dumps(payload, indent=2) + "\n", durable=True)
 
 
 def write_exit_report(run_dir: str, report: ExitReport) -> str:

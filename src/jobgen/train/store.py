@@ -52,8 +52,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from jobgen.errors import UserError
+from jobgen.files import fsync_directory
 from jobgen.train.data import TokenDataset
-from jobgen.train.exit_report import fsync_directory
 
 log = logging.getLogger("jobgen.train")
 

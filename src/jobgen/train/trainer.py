@@ -735,7 +735,7 @@ class Trainer:
         """Collective: adapters (lora/qlora) or the full model, plus tokenizer, in OUTPUT_DIR/`name`."""
         import shutil
 
-        from jobgen.train.exit_report import fsync_directory
+        from jobgen.files import fsync_directory
 
         dist, engine = self.dist, self.engine
         final = os.path.join(self.p.output_dir, name)
