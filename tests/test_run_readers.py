@@ -155,6 +155,23 @@ def test_status_says_the_last_loss_and_where_the_final_adapter_is(two_jobs: Path
     assert "failed" not in table
 
 
+def test_status_and_plot_pass_over_an_evaluation_logged_alone_on_resuming(two_jobs: Path, env: dict) -> None:
+    """A resumed keep_best run evaluates the step its stop skipped and logs that on a line of its own,
+    without the training fields: the last loss and the loss curve come from the training lines."""
+    output = two_jobs / "output"
+    output.mkdir(parents=True)
+    lines = [{"step": 3, "total_steps": 6, "loss": 2.7, "job_id": "local-1", "restart": 0, "time": 1767225630},
+             {"step": 3, "total_steps": 6, "eval_loss": 2.9, "job_id": "local-2", "restart": 0, "time": 1767229210}]
+    (output / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report = json.loads(jobgen("status", "--json", str(two_jobs), env=env).stdout)
+    assert (report["step"], report["last_loss"], report["last_eval"]["loss"]) == (3, 2.7, 2.9), report
+    drawn = jobgen("plot", str(two_jobs), "-o", str(two_jobs / "plot.png"), "--data", str(two_jobs / "plot.json"), env=env)
+    assert drawn.returncode == 0, drawn.stderr
+    plotted = json.loads((two_jobs / "plot.json").read_text())
+    first, second = plotted["segments"]
+    assert (first["steps"], first["loss"], second["steps"], second["eval"]) == ([3], [2.7], [], [[3, 2.9]]), plotted
+
+
 def test_status_of_a_full_fine_tune_names_the_final_model_only_once_completed(tmp_path: Path, state: Path, env: dict) -> None:
     run_dir = write_run(tmp_path / "full", state, [
         {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "completed", 0, 6, 0)]},

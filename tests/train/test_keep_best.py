@@ -96,9 +96,14 @@ def test_a_stopped_and_resumed_run_keeps_the_same_best(runs):
     assert stopped["reason"] == "stopped" and 3 <= stopped["last_step"] < STEPS
     assert "resumed from" in runs["resume_log"]
     straight, resumed = runs["local"] / "output", runs["interrupted"] / "output"
-    # The stop skipped its step's evaluation; the resumed run makes it, as the uninterrupted run did.
+    # The stop skipped its step's evaluation; the resumed run makes it, as the uninterrupted run did,
+    # and logs it in metrics.jsonl on a line of its own (the step's training line came before the stop).
     assert f"eval at step {stopped['last_step']}: loss {_evals(straight)[stopped['last_step']]:.4f}" in runs["resume_log"]
-    assert _evals(resumed) == {step: loss for step, loss in _evals(straight).items() if step != stopped["last_step"]}
+    assert _evals(resumed) == _evals(straight)
+    records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    at_stop = [r for r in records if r["step"] == stopped["last_step"]]
+    assert len(at_stop) == 2 and "loss" in at_stop[0] and "eval_loss" not in at_stop[0], at_stop
+    assert "loss" not in at_stop[1] and at_stop[1]["time"] > at_stop[0]["time"], at_stop
     assert (resumed / "checkpoints" / "best.json").read_text() == (straight / "checkpoints" / "best.json").read_text()
     best, again = _adapter(straight / "best"), _adapter(resumed / "best")
     assert best.keys() == again.keys() and best

@@ -36,8 +36,9 @@ def startups(run_path: Path) -> list[dict[str, Any]]:
 
 
 def last_metrics(run_path: Path, job: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
-    """The newest metrics record: step, total_steps, loss, ... (None before the first)."""
-    return last_record(output_dir(run_path, job) / METRICS_FILE)
+    """The newest training record: step, total_steps, loss, ... (None before the first). A resumed
+    keep_best run may log an evaluation alone after it, which this passes over."""
+    return last_record(output_dir(run_path, job) / METRICS_FILE, having="loss")
 
 
 def last_eval(run_path: Path, job: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:

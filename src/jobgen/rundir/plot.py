@@ -33,14 +33,15 @@ def plot_data(target: str) -> dict[str, Any]:
     entries = []
     for i, segment in enumerate(segments):
         mine = mine_of[i]
+        trained = [r for r in mine if "loss" in r]  # not an evaluation logged alone on resuming
         ended = _epoch(segment["ended_at"]) if segment["ended_at"] else None
         entries.append({
             "job_id": segment["job_id"], "restart": segment["restart"], "outcome": segment["outcome"],
             "started_at": segment["started_at"], "ended_at": segment["ended_at"],
             "held_seconds": None if ended is None else ended - starts[i], "train_seconds": segment["train_seconds"],
             "first_step": segment["first_step"], "last_step": segment["last_step"],
-            "steps": [r["step"] for r in mine], "loss": [r.get("loss") for r in mine],
-            "tokens_per_s": [r.get("tokens_per_s") for r in mine],
+            "steps": [r["step"] for r in trained], "loss": [r["loss"] for r in trained],
+            "tokens_per_s": [r.get("tokens_per_s") for r in trained],
             "eval": [[r["step"], r["eval_loss"]] for r in mine if isinstance(r.get("eval_loss"), (int, float))],
         })
     return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
@@ -123,7 +124,7 @@ def sweep_plot_data(target: str) -> dict[str, Any]:
 
     points = []
     for point, run in point_dirs(target):
-        by_step = {r["step"]: r.get("loss") for r in metrics(run.path) if isinstance(r.get("step"), int)}
+        by_step = {r["step"]: r["loss"] for r in metrics(run.path) if isinstance(r.get("step"), int) and "loss" in r}
         steps = sorted(by_step)
         points.append({"index": point.get("index"), "name": point.get("name"), "values": point.get("values") or {},
                        "run_dir": str(run.path), "steps": steps, "loss": [by_step[s] for s in steps]})

@@ -514,7 +514,7 @@ class Trainer:
         interval = {"loss_x_tokens": 0.0, "tokens": 0.0, "inputs": 0.0, "samples": 0.0, "seconds": 0.0}
         loop_start = time.perf_counter()
         step = first_step
-        self._evaluate_what_a_stop_skipped(engine, first_step, total_steps)
+        self._evaluate_what_a_stop_skipped(engine, first_step, total_steps, metrics, order.steps_per_epoch)
         stop = self._agree_stop(step)  # a signal during start-up stops before the first step
         try:
             while step < total_steps and not stop:
@@ -631,14 +631,17 @@ class Trainer:
     def _eval_due(self, step: int, total_steps: int) -> bool:
         return step % (self.t.eval_interval or self.t.save_interval) == 0 or step == total_steps
 
-    def _evaluate_what_a_stop_skipped(self, engine: Any, step: int, total_steps: int) -> None:
+    def _evaluate_what_a_stop_skipped(self, engine: Any, step: int, total_steps: int, metrics: MetricsWriter,
+                                      steps_per_epoch: int) -> None:
         """Collective, keep_best: a stop skips its step's evaluation; run it on resuming from that
-        step's checkpoint (the same weights), so the best is the uninterrupted run's."""
+        step's checkpoint (the same weights), so the best is the uninterrupted run's. Its line in
+        metrics.jsonl has the eval fields and no training ones (the step's were logged before the stop)."""
         if self.best is None or not self.evaluation or not step or not self._eval_due(step, total_steps):
             return
         if self._evaluated_step == step:
             return
         evaluated = self._evaluate(engine, step)
+        metrics.write({"step": step, "time": time.time(), "epoch": step / steps_per_epoch, **evaluated})
         if self.best.offer(step, evaluated["eval_loss"]) and self.dist.is_main:
             write_pointer(self.store.root, ckpt.step_name(step), self.best.as_state())  # the checkpoint resumed from
 
