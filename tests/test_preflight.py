@@ -72,6 +72,21 @@ def test_a_typo_is_refused_with_the_closest_existing_name(tmp_path: Path) -> Non
     assert f"does not exist: there is no '{tmp_path}/dta'" in result.stderr
 
 
+def test_a_hub_dataset_name_as_data_says_how_to_make_it_files(tmp_path: Path) -> None:
+    write_conversations(tmp_path / "conversations.json")
+    config = job_file(tmp_path, data="conversations.json")
+    job = yaml.safe_load(config.read_text())
+    job["training"]["eval_data"] = "tatsu-lab/alpaca"
+    config.write_text(yaml.safe_dump(job))
+    result = jobgen("validate", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert errors_of(result) == [
+        f"jobgen: error: training.eval_data: file '{tmp_path}/tatsu-lab/alpaca' does not exist: there is no "
+        f"'{tmp_path}/tatsu-lab'; if 'tatsu-lab/alpaca' is a Hugging Face Hub dataset, jobgen reads files, not hub "
+        "names: download it (hf download tatsu-lab/alpaca --repo-type dataset --local-dir alpaca) and list the "
+        ".parquet or .jsonl files of the split to use in training.eval_data"]
+
+
 @pytest.mark.parametrize(
     "name, content, message",
     [

@@ -70,13 +70,14 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
     lines: list[str] = []
     listed = more = 0
     tool_record = ""
-    paths = [os.path.abspath(os.path.join(base, given)) for given in data_paths(getattr(job.training, field.split(".")[1]))]
-    for path in paths:
+    given_paths = data_paths(getattr(job.training, field.split(".")[1]))
+    paths = [os.path.abspath(os.path.join(base, given)) for given in given_paths]
+    for given, path in zip(given_paths, paths):
         error, warning = _where_missing(field, path, "file")
         if warning:
             warnings.append(warning)
         if error:
-            lines.append(error)
+            lines.append(error + _hub_dataset_hint(given, field))
         if error or warning:
             continue
         check = _check_records(job, field, path, max(MAX_PROBLEMS - listed, 0), warnings)
@@ -92,6 +93,18 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
     if tool_record and not lines:  # every record reads: can the job's layout write their tools?
         return _tools_in_chatml(job, base, tool_record)
     return "\n".join(lines) or None
+
+
+def _hub_dataset_hint(given: str, field: str) -> str:
+    """For a missing path written like a hub dataset name (org/name): how to turn it into files."""
+    from jobgen.job.model_reference import HUB_NAME
+
+    if not HUB_NAME.match(given) or os.path.splitext(given)[1] in (".json", ".jsonl", ".parquet"):
+        return ""
+    local = given.split("/")[1]
+    return (f"; if {given!r} is a Hugging Face Hub dataset, jobgen reads files, not hub names: download it "
+            f"(hf download {given} --repo-type dataset --local-dir {local}) and list the .parquet or .jsonl "
+            f"files of the split to use in {field}")
 
 
 def _tools_in_chatml(job: Job, base: str, record: str) -> Optional[str]:
