@@ -85,7 +85,7 @@ def worker(job_path: str, repeats: int, out_path: str) -> None:
     from jobgen.train.data import BatchOrder, ChatTokenizer, TokenizedDataset
     from jobgen.train.distributed import Distributed, RankInfo
     from jobgen.train.modeling import load_model, load_tokenizer
-    from jobgen.train.trainer import prepare
+    from jobgen.train.prepare import prepare
 
     info = RankInfo.from_env()
     p = prepare(load_job(job_path), os.path.dirname(job_path), info.world_size, info.local_rank)

@@ -14,7 +14,7 @@ from jobgen.job.conversations import load_conversations
 from jobgen.train.data import IGNORE_INDEX, BatchOrder, ChatTokenizer, MicroBatches, TokenizedDataset, split_global_batch
 from jobgen.train.exit_report import ExitReport, write_exit_report
 from jobgen.train.stop import StopRequest
-from jobgen.train.trainer import LRFactor
+from jobgen.train.schedule import LRFactor
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_model_and_data_resolve_against_cwd_and_output_dir_against_run_dir(tiny,
     import shutil
 
     from jobgen.job.models import Job
-    from jobgen.train.trainer import prepare
+    from jobgen.train.prepare import prepare
 
     shutil.copy(tiny / "data.json", tmp_path / "conversations.json")
     monkeypatch.chdir(tmp_path)

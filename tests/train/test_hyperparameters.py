@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from jobgen.errors import UserError
 from jobgen.job.models import Training
 from jobgen.train.modeling import load_model
-from jobgen.train.trainer import resume_settings
+from jobgen.train.prepare import resume_settings
 from tests.helpers import jobgen
 
 

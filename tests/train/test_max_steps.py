@@ -8,7 +8,7 @@ import pytest
 
 from jobgen.job.models import Training
 from jobgen.errors import UserError
-from jobgen.train.trainer import LRFactor, check_schedule_total, total_steps_of
+from jobgen.train.schedule import LRFactor, check_schedule_total, total_steps_of
 
 
 def _training(**fields) -> Training:

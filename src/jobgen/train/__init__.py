@@ -9,7 +9,8 @@ pretokenized records as tokens), `modeling` (model,
 tokenizer, LoRA/Q-LoRA), `dsconfig` (DeepSpeed config), `distributed` (ranks, process group),
 `checkpoint` (save/verify/find/load/prune), `best` (the best checkpoint by eval loss),
 `background_save`, `stop` (signal flag), `metrics`, `exit_report` (`RUN_DIR/trainer-exit.json`),
-`console` (where a rank's output goes), `memory` (will it fit), `trainer` (the loop), `probe`
+`console` (where a rank's output goes), `memory` (will it fit), `prepare` (every rank's checks
+before the process group), `schedule` (the LR schedule and the run's length), `trainer` (the loop), `probe`
 (jobgen-probe), `torchrun` (jobgen-torchrun), `tiny` (a local tiny model for tests). Reading
 the data files and the model reference is jobgen.job's.
 

@@ -76,7 +76,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     trainer = None
     try:
         from jobgen.train.distributed import RankInfo
-        from jobgen.train.trainer import Trainer, prepare
+        from jobgen.train.prepare import prepare
+        from jobgen.train.trainer import Trainer
 
         info = RankInfo.from_env()
         job = load_job(args.job)
