@@ -121,6 +121,16 @@ def test_files_that_cannot_be_read_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "bare").mkdir()
     with pytest.raises(UserError, match=r"is a folder without state.json; give a .json, .jsonl or .parquet file"):
         load_conversations(str(tmp_path / "bare"))
+    # A hub dataset as `hf download --repo-type dataset` leaves it: its files are named.
+    hub = tmp_path / "alpaca"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("# alpaca")
+    for name in ("train-00000-of-00001.parquet", "test-00000-of-00001.parquet"):
+        (hub / "data" / name).write_text("")
+    with pytest.raises(UserError) as refused:
+        load_conversations(str(hub))
+    assert str(refused.value).endswith(f"or a folder written by datasets' save_to_disk; it holds '{hub}/data/test-00000-of-00001.parquet', "
+                                       f"'{hub}/data/train-00000-of-00001.parquet': list those of the split to use")
     (tmp_path / "dict").mkdir()
     (tmp_path / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
     with pytest.raises(UserError, match=r"holds a DatasetDict \(dataset_dict.json\); give one split's folder"):

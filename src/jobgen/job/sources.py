@@ -79,10 +79,26 @@ def source_kind(path: str, field: str = "training.data") -> str:
             raise UserError(f"{field}: {path!r} holds a DatasetDict (dataset_dict.json); give one split's folder, "
                             f"e.g. {os.path.join(path, 'train')!r}")
         raise UserError(f"{field}: {path!r} is a folder without {STATE}; give a .json, .jsonl or .parquet file, "
-                        "or a folder written by datasets' save_to_disk")
+                        f"or a folder written by datasets' save_to_disk{_data_files_in(path)}")
     if path.endswith(".parquet"):
         return "parquet"
     return "json"
+
+
+def _data_files_in(folder: str, shown: int = 3) -> str:
+    """What a folder holds that could be given instead (a hub dataset's download has its files in
+    data/ or a folder a split), listed in the message; a few levels deep, so a big tree is not walked."""
+    found = []
+    for root, folders, files in os.walk(folder):
+        depth = root[len(folder):].count(os.sep)
+        if depth >= 3:
+            folders.clear()
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        found += [os.path.join(root, f) for f in sorted(files) if f.endswith((".json", ".jsonl", ".parquet"))]
+    if not found:
+        return ""
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return f"; it holds {', '.join(repr(f) for f in found[:shown])}{more}: list those of the split to use"
 
 
 def read_chunks(path: str, size: int = 0) -> Iterator[Chunk]:
