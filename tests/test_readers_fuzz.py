@@ -18,9 +18,8 @@ from jobgen.script import render as render_module
 from jobgen.job.layers import apply_override, load_site, resolve_job
 from jobgen.errors import JobgenError
 from jobgen.job.models import Job
-from jobgen.job.conversations import (
-    FORMATS, OPENAI_ROLES, SHAREGPT_ROLES, TOOL_ROLES, check_conversations, check_conversations_head, load_conversations,
-)
+from jobgen.job.conversations import FORMATS, check_conversations, check_conversations_head, load_conversations
+from jobgen.job.record_formats import OPENAI_ROLES, SHAREGPT_ROLES, TOOL_ROLES
 from jobgen.errors import UserError
 from tests.helpers import REPO, jobgen
 

@@ -47,7 +47,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from jobgen.errors import UserError
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, IGNORE_INDEX, Conversation, Sample, no_tools_in
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample, no_tools_in
+from jobgen.job.record_formats import IGNORE_INDEX
 from jobgen.train.chat_template import (
     CHATML, NotExact, has_generation_marks, marked_spans, render, rendered_spans, resolve_template,
 )

@@ -24,7 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, IGNORE_INDEX, Conversation, Sample, TextSample
+from jobgen.job.conversations import DEFAULT_SYSTEM_PROMPT, Conversation, Sample, TextSample
+from jobgen.job.record_formats import IGNORE_INDEX
 from jobgen.train.chat_template import CHATML
 from jobgen.train.data import ChatTokenizer
 from jobgen.train.samples import Piece, encode_texts, pieces, text_pieces
