@@ -136,6 +136,27 @@ def test_validate_is_quiet_for_a_staged_model_and_warns_for_one_the_cache_lacks(
     assert "the weights (model.safetensors or pytorch_model.bin) missing" in warning
 
 
+def test_validate_reads_the_models_config_at_the_jobs_revision_in_the_jobs_cache(tiny: Path, tmp_path: Path) -> None:
+    """The cache the job's environment.variables give the nodes, not the submitting user's; and the
+    job's revision there: a tag that is the GPTQ checkpoint, beside main that is not."""
+    home = tmp_path / "hf"
+    build_hub_cache(home, MODEL, tiny / "model")
+    quantized = tmp_path / "int4"
+    shutil.copytree(tiny / "model", quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (quantized / "config.json").write_text(json.dumps(config))
+    build_hub_cache(home, MODEL, quantized, commit="a" * 40, revision="int4")
+    write_job(tmp_path / "main", tiny, home)
+    out = jobgen(tmp_path / "main", "validate", "job.yaml")
+    assert out.returncode == 0 and ": ok:" in out.stdout, out.stderr
+    write_job(tmp_path / "tag", tiny, home, model_revision="int4")
+    out = jobgen(tmp_path / "tag", "validate", "job.yaml")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert (f"jobgen: error: training.model: {MODEL} is a pre-quantized GPTQ checkpoint (quantization_config.quant_method), "
+            "which method lora cannot train") in out.stderr, out.stderr
+
+
 def model_warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "training.model" in line]
 

@@ -1,9 +1,9 @@
 """What a model's config.json says about whether the job can load it, told without torch.
 
 `jobgen validate` (jobgen.job.preflight) and the trainer, before anything distributed, read the
-config of `training.model`: a local folder's, or a hub name's in the Hugging Face cache on this
-machine (a hub name not in the cache is left to the nodes). check_model_config refuses, one line
-each, naming the field:
+config of `training.model`: a local folder's, or a hub name's at the job's revision in the
+Hugging Face cache the nodes use (jobgen.job.hub_cache; a hub name not in it is left to the
+nodes). check_model_config refuses, one line each, naming the field:
 - no `model_type` and no code of its own (`auto_map`): nothing tells transformers what to build;
 - a `model_type` that the installed transformers does not know, without `auto_map`;
 - code of its own (`auto_map`, for a model type transformers lacks) without
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from jobgen.errors import UserError
+from jobgen.job.hub_cache import DEFAULT_REVISION, HubCache, environment_cache, look_up
 from jobgen.job.model_reference import HUB_NAME
 
 # quant_method: (its name for people, the packages transformers needs to load it). peft trains
@@ -61,13 +62,15 @@ class ModelConfig:
         return sorted(files)
 
 
-def find_model_config(model: str) -> Optional[ModelConfig]:
-    """config.json of a local model folder, or of a hub name in this machine's Hugging Face cache;
-    None where there is none to read here. Raises UserError for one that is not a JSON object."""
+def find_model_config(model: str, revision: str = DEFAULT_REVISION, cache: Optional[HubCache] = None) -> Optional[ModelConfig]:
+    """config.json of a local model folder, or of a hub name's snapshot at `revision` in `cache`
+    (jobgen.job.hub_cache; by default the cache this process would use, as on a node); None where
+    there is none to read here. Raises UserError for one that is not a JSON object."""
     if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
+        path: Optional[str] = os.path.join(model, "config.json")
     elif HUB_NAME.match(model):
-        path = _cached_config(model)
+        cached = look_up(model, revision, cache or environment_cache())
+        path = os.path.join(cached.snapshot, "config.json") if cached.snapshot else None
     else:
         return None
     if not path or not os.path.isfile(path):
@@ -80,27 +83,6 @@ def find_model_config(model: str) -> Optional[ModelConfig]:
     if not isinstance(data, dict):
         raise UserError(f"training.model: {path} must hold a JSON object")
     return ModelConfig(path, data)
-
-
-def _cached_config(name: str) -> Optional[str]:
-    """The cached snapshot's config.json of hub model `name` (its `main` revision, else any)."""
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub"
-    )
-    repo = os.path.join(hub, "models--" + name.replace("/", "--"))
-    try:
-        with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as handle:
-            snapshots = [handle.read().strip()]
-    except OSError:
-        try:
-            snapshots = sorted(os.listdir(os.path.join(repo, "snapshots")))
-        except OSError:
-            return None
-    for snapshot in snapshots:
-        path = os.path.join(repo, "snapshots", snapshot, "config.json")
-        if os.path.isfile(path):
-            return path
-    return None
 
 
 def native_model_types() -> Optional[set[str]]:
@@ -172,20 +154,21 @@ def _check_quantization(config: ModelConfig, model: str, method: str) -> list[st
     return []
 
 
-def model_config_problems(model: str, method: str, trust_remote_code: bool) -> list[str]:
+def model_config_problems(model: str, method: str, trust_remote_code: bool, revision: str = DEFAULT_REVISION,
+                          cache: Optional[HubCache] = None) -> list[str]:
     """check_model_config on `model`'s config where this machine has one; [] where it has none."""
-    config = find_model_config(model)
+    config = find_model_config(model, revision, cache)
     if config is None:
         return []
     return check_model_config(config, model, method, trust_remote_code, native_model_types())
 
 
-def has_chat_template(model: str) -> Optional[bool]:
+def has_chat_template(model: str, revision: str = DEFAULT_REVISION, cache: Optional[HubCache] = None) -> Optional[bool]:
     """Whether `model`'s tokenizer (a local folder, or a hub name's snapshot in this machine's
     cache) carries a chat template, as transformers loads one: tokenizer_config.json's
     `chat_template`, chat_template.jinja or additional_chat_templates/ (and a processor's
     chat_template.json). None where its tokenizer_config.json is not here to tell."""
-    config = find_model_config(model)
+    config = find_model_config(model, revision, cache)
     if config is None:
         return None
     folder = os.path.dirname(config.path)
@@ -200,7 +183,7 @@ def has_chat_template(model: str) -> Optional[bool]:
     return bool(isinstance(tokenizer_config, dict) and tokenizer_config.get("chat_template"))
 
 
-def code_files_of(model: str) -> list[str]:
-    config = find_model_config(model)
+def code_files_of(model: str, revision: str = DEFAULT_REVISION) -> list[str]:
+    config = find_model_config(model, revision)
     return config.code_files() if config else []
 

@@ -113,13 +113,16 @@ def _tools_in_chatml(job: Job, base: str, record: str) -> Optional[str]:
     or a hub name in this machine's cache) whose tokenizer has no chat template. A template that
     drops tools shows only when rendered, at `jobgen data` or the trainer's start."""
     from jobgen.job.conversations import no_tools_in
+    from jobgen.job.hub_cache import job_cache
     from jobgen.job.model_config import has_chat_template
 
     setting = job.training.chat_template
     if setting == "chatml":
         return no_tools_in("ChatML (training.chat_template is chatml)", record)
     model = os.path.join(base, job.training.model)
-    if setting is None and has_chat_template(model if os.path.isdir(model) else job.training.model) is False:
+    cache = job_cache(job.environment.variables)
+    if setting is None and has_chat_template(model if os.path.isdir(model) else job.training.model,
+                                             job.training.model_revision, cache) is False:
         return no_tools_in(f"ChatML (the tokenizer of {job.training.model} has no chat template)", record)
     return None
 
@@ -174,10 +177,12 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
 def _check_model_config(job: Job, model: str) -> Optional[str]:
     """What its config.json says would stop it loading (jobgen.job.model_config)."""
     from jobgen.errors import UserError
+    from jobgen.job.hub_cache import job_cache
     from jobgen.job.model_config import model_config_problems
 
     try:
-        problems = model_config_problems(model, job.training.method, job.training.trust_remote_code)
+        problems = model_config_problems(model, job.training.method, job.training.trust_remote_code,
+                                         job.training.model_revision, job_cache(job.environment.variables))
     except UserError as error:
         return str(error)
     return "\n".join(problems) or None

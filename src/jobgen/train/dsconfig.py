@@ -183,6 +183,7 @@ def compiled_op_notice(config: dict, path: str) -> str | None:
 def check_job_deepspeed(job: Job, base: str) -> list[str]:
     """`validate`'s reading of training.deepspeed_config, relative to `base`: raises UserError with
     every problem (a missing file, each conflict with the job), returns notices (a compiled op)."""
+    from jobgen.job.hub_cache import job_cache
     from jobgen.job.model_config import find_model_config
     from jobgen.train.data import split_global_batch
 
@@ -195,7 +196,8 @@ def check_job_deepspeed(job: Job, base: str) -> list[str]:
         micro, accumulation = split_global_batch(job.global_batch, world, training.per_device_batch_size, job.procs_per_node)
     except UserError:  # said by validate's own batch check
         micro, accumulation = training.per_device_batch_size, training.gradient_accumulation
-    model = find_model_config(os.path.join(base, training.model)) or find_model_config(training.model)
+    cache = job_cache(job.environment.variables)
+    model = find_model_config(os.path.join(base, training.model)) or find_model_config(training.model, training.model_revision, cache)
     config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}))
     notice = compiled_op_notice(config, path)
     return [notice] if notice else []

@@ -71,9 +71,9 @@ def resume_settings(training: Training) -> dict:
     return settings
 
 
-def model_hidden_size(model: str) -> Optional[int]:
+def model_hidden_size(model: str, revision: str) -> Optional[int]:
     """For a DeepSpeed config's 'auto' ZeRO bucket sizes; None where the config is not here."""
-    config = find_model_config(model)
+    config = find_model_config(model, revision)
     return hidden_size_of(config.data) if config else None
 
 
@@ -130,7 +130,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # Before anything reads the hub's settings; the model, its tokenizer and the store's key at
     # the run's pinned commit, where a branch names it.
     resolved = resolved.model_copy(update={"model_revision": _pinned_revision(run_dir, resolved)})
-    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code)
+    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code, resolved.model_revision)
     if problems:
         raise UserError("\n".join(problems))
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -147,7 +147,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # Checks the config; jobgen.train.trainer's Trainer.run builds the one that runs once it knows the global batch (a
     # checkpoint's, when resuming) and how this world size splits it.
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config,
-                             hidden_size=model_hidden_size(resolved.model))
+                             hidden_size=model_hidden_size(resolved.model, resolved.model_revision))
     return Prepared(
         job=job,
         training=resolved,

@@ -123,7 +123,7 @@ class Trainer:
             )
             self.p.ds_config = build_config(
                 t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation,
-                model_hidden_size(t.model),
+                model_hidden_size(t.model, t.model_revision),
             )
             notice = compiled_op_notice(self.p.ds_config, t.deepspeed_config or "the bundled config")
             if notice and dist.is_main:
@@ -150,7 +150,7 @@ class Trainer:
         try:
             if dist.is_main and t.trust_remote_code:
                 log.info("training.trust_remote_code: running the code that %s ships: %s", self.p.job.training.model,
-                         ", ".join(code_files_of(t.model)) or "none (transformers builds it)")
+                         ", ".join(code_files_of(t.model, t.model_revision)) or "none (transformers builds it)")
             chat = None
             if found is not None:  # a checkpoint resumes in its own chat layout only: said before any data work
                 chat = ChatTokenizer(tokenizer(), t.max_length, t.chat_template, self.p.job.training.model)
