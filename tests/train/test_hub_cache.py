@@ -157,6 +157,29 @@ def test_validate_reads_the_models_config_at_the_jobs_revision_in_the_jobs_cache
             "which method lora cannot train") in out.stderr, out.stderr
 
 
+def test_validate_checks_the_commit_a_run_is_pinned_to_not_where_main_points_now(tiny: Path, tmp_path: Path) -> None:
+    """A resubmission loads the run's pinned commit (model-commit.json, written here by the
+    trainer's own pin_commit): gone from the cache, it is what validate warns of, though main,
+    which moved, is complete; a new run of the same job is checked at main."""
+    from jobgen.rundir.model_pin import pin_commit
+
+    home = tmp_path / "hf"
+    build_hub_cache(home, MODEL, tiny / "model")
+    write_job(tmp_path / "job", tiny, home, name="pinned")
+    pin_commit(str(tmp_path / "job" / "runs" / "pinned"), MODEL, "main", COMMIT)
+    build_hub_cache(home, MODEL, tiny / "model", commit="f" * 40)  # main moves on
+    shutil.rmtree(home / "hub" / "models--jobgen-test--tiny" / "snapshots" / COMMIT)  # someone cleaned the cache
+    out = jobgen(tmp_path / "job", "validate", "job.yaml")
+    assert out.returncode == 0, out.stderr
+    assert model_warnings(out.stderr) == [
+        f"jobgen: warning: training.model: {MODEL} at revision {COMMIT} is not in the cache the nodes use (HF_HOME={home}): "
+        "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it"
+    ]
+    write_job(tmp_path / "new", tiny, home, name="new")
+    out = jobgen(tmp_path / "new", "validate", "job.yaml")
+    assert out.returncode == 0 and model_warnings(out.stderr) == [], out.stderr
+
+
 def model_warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "training.model" in line]
 

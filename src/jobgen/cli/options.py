@@ -159,8 +159,10 @@ def scheduler_for(option: Optional[str], resolved) -> str:
 def check_files(job) -> None:
     """validate and submit, not render: a script may be rendered for a machine this is not."""
     from jobgen.job.preflight import check_job_files, working_directory
+    from jobgen.rundir.model_pin import at_its_pin
     from jobgen.train.dsconfig import check_job_deepspeed
 
+    job = at_its_pin(job)  # a resubmitted run loads the commit it started with
     warnings = check_job_files(job)
     if job.launch.entrypoint != "jobgen-probe":
         warnings += check_job_deepspeed(job, working_directory(job))

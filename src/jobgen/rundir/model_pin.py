@@ -16,11 +16,14 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from jobgen.files import write_atomic
 from jobgen.job.hub_cache import COMMIT
 from jobgen.rundir.files import MODEL_COMMIT
+
+if TYPE_CHECKING:
+    from jobgen.job.models import Job
 
 
 def needs_pin(model: str, revision: str) -> bool:
@@ -71,3 +74,13 @@ def pin_commit(run_dir: str, model: str, revision: str, commit: str) -> str:
 def load_revision(run_dir: str, model: str, revision: str) -> str:
     """The revision to load `model` at in this run: its pinned commit, else `revision`."""
     return (pinned_commit(run_dir, model, revision) if needs_pin(model, revision) else None) or revision
+
+
+def at_its_pin(job: Job) -> Job:
+    """`job` with training.model_revision at the commit its run is pinned to, where it is pinned:
+    what the run's next start loads, and so what `jobgen validate` checks."""
+    training = job.training
+    revision = load_revision(os.path.abspath(job.effective_run_dir), training.model, training.model_revision)
+    if revision == training.model_revision:
+        return job
+    return job.model_copy(update={"training": training.model_copy(update={"model_revision": revision})})
