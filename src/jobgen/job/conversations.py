@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from jobgen.errors import UserError
-from jobgen.job.record_formats import BadRecord, alpaca, openai, pretokenized, sharegpt, text, tool_definitions
+from jobgen.job import record_formats as read
+from jobgen.job.record_formats import BadRecord
 from jobgen.job.sources import CHUNK_RECORDS, Chunk, Unreadable, data_paths, jsonl_chunks, not_json, read_chunks, source_kind
 from jobgen.job.textfile import file_not_utf8_message
 
@@ -254,7 +255,7 @@ def _read_text(path: str, max_chars: int = -1) -> str:
     except UnicodeDecodeError:
         raise UserError(f"{path}: {file_not_utf8_message(path)}") from None
     except OSError as exc:
-        raise UserError(f"training.data: cannot read {path!r}: {exc.strerror}") from None
+        raise UserError(f"cannot read {path!r}: {exc.strerror}") from None  # training.data or eval_data: the path says which
 
 
 def _parse_head(path: str, text: str) -> list[Any]:
@@ -386,19 +387,19 @@ def _check_record(path: str, index: int, record: Any, fmt: _FileFormat) -> Sampl
     where = f"{path}: {_label(index, record)}"
     kind = _kind_of(where, record, fmt)
     if kind == "text":
-        return TextSample(id=str(raw_id), text=text(where, record))
+        return TextSample(id=str(raw_id), text=read.text(where, record))
     if kind == "pretokenized":
-        return TokenSample(str(raw_id), *pretokenized(where, record), source=where)
+        return TokenSample(str(raw_id), *read.pretokenized(where, record), source=where)
     unlearned: tuple[int, ...] = ()
     tools, fields = "", {}
     if kind == "sharegpt":
-        system, turns, fields = sharegpt(where, record)
-        tools = tool_definitions(where, record)
+        system, turns, fields = read.sharegpt(where, record)
+        tools = read.tool_definitions(where, record)
     elif kind == "openai":
-        system, turns, unlearned, fields = openai(where, record)
-        tools = tool_definitions(where, record)
+        system, turns, unlearned, fields = read.openai(where, record)
+        tools = read.tool_definitions(where, record)
     else:
-        system, turns = alpaca(where, record)
+        system, turns = read.alpaca(where, record)
     if not any(role == "assistant" for role, _ in turns):
         raise BadRecord(f"{where}: no assistant turn, so nothing to learn from it")
     if all(role != "assistant" or index in unlearned for index, (role, _) in enumerate(turns)):
