@@ -30,10 +30,14 @@ def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: 
 
 
 def node_script_of(script: str) -> str:
-    """The per-node script a batch script embeds, so it can be checked on its own."""
-    match = re.search(r"<<'JOBGEN_NODE_SCRIPT'\n(.*?)^JOBGEN_NODE_SCRIPT$", script, re.S | re.M)
-    assert match, "no embedded node script"
-    return match.group(1)
+    """The per-node script a batch script writes (node.sh: jobgen's node setup, then the job's own
+    part), so it can be checked on its own."""
+    parts = []
+    for end in ("JOBGEN_NODE_SETUP", "JOBGEN_NODE_SCRIPT"):
+        match = re.search(rf"<<'{end}'\n(.*?)^{end}$", script, re.S | re.M)
+        assert match, f"no embedded node script part {end}"
+        parts.append(match.group(1))
+    return "".join(parts)
 
 
 def shell_findings(*paths: Path) -> str:

@@ -29,6 +29,7 @@ from jobgen.job.textfile import file_not_utf8_message
 
 JOB_YAML_END = "JOBGEN_JOB_YAML"
 NODE_SCRIPT_END = "JOBGEN_NODE_SCRIPT"
+NODE_SETUP_END = "JOBGEN_NODE_SETUP"
 
 
 class Raw(str):
@@ -198,12 +199,17 @@ def _render(
         "job_yaml": Raw(as_set_yaml(job)),  # what the job sets: jobgen-train adds the defaults back
         "job_yaml_end": Raw(JOB_YAML_END),
         "node_script_end": Raw(NODE_SCRIPT_END),
+        "node_setup_end": Raw(NODE_SETUP_END),
         "warnings": warnings + scheduler.warnings(job),
         "sweep": sweep,  # a sweep's job array: its points (index, run_dir, job_yaml) and max_running
     }
+    # node.sh is jobgen's node setup, the same for every job, then the job's own part: the batch
+    # script shows the job's part at its top and the setup below, with the rest of the machinery.
+    node_setup = _render_template(env, "node_setup.sh.j2", context)
     node_script = _render_template(env, "node.sh.j2", context)
-    context["node_script"] = Raw(node_script)
+    context["node_setup"], context["node_script"] = Raw(node_setup), Raw(node_script)
     _check_heredoc(context["job_yaml"], JOB_YAML_END)
+    _check_heredoc(node_setup, NODE_SETUP_END)
     _check_heredoc(node_script, NODE_SCRIPT_END)
     return _render_template(env, scheduler.template, context)
 
