@@ -32,10 +32,10 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "header": ("the directive lines and the comment describing the job", frozenset(
             {"directives", "job", "launcher", "scheduler", "site", "sweep", "version", "warnings"})),
         "prologue": ("empty: site checks or banners, before anything else runs", frozenset()),
+        "environment": ("the job's secrets and exported variables (NCCL's, environment.variables), at the top: "
+                        "they run before the hosts are known", frozenset({"job", "nccl"})),
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
-        "environment": ("the job's secrets and exported variables (NCCL's, environment.variables)", frozenset(
-            {"job", "nccl"})),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),
         "timers": ("filled by the scheduler's template: warnings before the time limit", frozenset()),
         "launch": ("the per-node launch: starts node.sh on every node (binding flags, pyxis options)", frozenset(
@@ -43,7 +43,7 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "requeue": ("filled by the scheduler's template: what a stop with a checkpoint leads to", frozenset()),
     },
     "node.sh.j2": {
-        "environment": ("environment.modules (before an Apptainer container; pyxis starts all of node.sh in its)",
+        "environment": ("environment.modules, with jobgen_module_load (before an Apptainer container; pyxis starts all of node.sh in its)",
                         frozenset({"job"})),
         "container": ("runs node.sh again inside the job's Apptainer/Singularity container", frozenset({"job", "files"})),
         "setup": ("environment.setup, the user's shell lines (inside the container, if any)", frozenset({"job"})),
