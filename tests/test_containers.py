@@ -76,7 +76,7 @@ def test_apptainer_wraps_each_nodes_command_on_every_launcher() -> None:
                 '/datasets/conversations:/data:ro --cleanenv \\\n'
                 '  /images/finetune-2024.05.sif /bin/bash "$JOBGEN_RUN_DIR/node.sh" "$NODE_RANK" in-container\n') in node
         # The module that provides apptainer loads outside the container; setup runs inside.
-        assert node.index("module load apptainer") < node.index("exec apptainer exec")
+        assert node.index("jobgen_module_load apptainer") < node.index("exec apptainer exec")
 
 
 @pytest.mark.usefixtures("slurm_cluster")
