@@ -126,7 +126,7 @@ def test_the_slurm_dry_run_is_one_job_array_that_maps_each_task_to_its_point(job
     assert "JOBGEN_JOB_ID=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" in script
     folder = tmp_path / "runs" / "lr-sweep"
     for index, name in enumerate(["learning_rate=1e-4,r=8", "learning_rate=1e-4,r=16", "learning_rate=2e-4,r=8", "learning_rate=2e-4,r=16"]):
-        assert f"  {index}) JOBGEN_RUN_DIR=$(realpath -m runs/lr-sweep/{name}) ;;" in script
+        assert f"  {index}) jobgen_run_dir=runs/lr-sweep/{name} ;;" in script
         assert f"# point {index}: " in result.stderr and str(folder / name) in result.stderr
     # Each task's own job, embedded as a plain job's is: it validates, with that point's values.
     embedded = re.findall(r"<<'JOBGEN_JOB_YAML'\n(.*?)^JOBGEN_JOB_YAML$", script, re.S | re.M)
@@ -174,7 +174,7 @@ def test_a_container_jobs_points_are_named_without_commas(job_file: Path) -> Non
     result = dry_run(job_file, "-s", "slurm", "--set", "container.runtime=apptainer", "--set", "container.image=/images/a.sif",
                      "--sweep", "training.learning_rate=1e-4,2e-4", "--sweep", "training.seed=1,2")
     assert result.returncode == 0, result.stderr
-    assert "  3) JOBGEN_RUN_DIR=$(realpath -m runs/lr-sweep/learning_rate=2e-4+seed=2) ;;" in result.stdout
+    assert "  3) jobgen_run_dir=runs/lr-sweep/learning_rate=2e-4+seed=2 ;;" in result.stdout
 
 
 def test_status_of_a_sweep_is_a_table_of_its_points_found_by_folder_or_array_id(tmp_path: Path) -> None:
