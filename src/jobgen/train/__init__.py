@@ -30,7 +30,8 @@ offline: `modeling.use_hub_cache` sets HF_HUB_OFFLINE=1 unless the job or the us
 Every setting is the job's: how long a rank waits in a collective before failing, for one, is
 `launch.collective_timeout_minutes` (`jobgen schema` describes each field).
 
-Environment variables, for tests and demos only:
+Environment variables, for tests and demos only (set where the job is submitted: the batch script
+hands every exported JOBGEN_* variable on to the nodes, naming none of these):
 - JOBGEN_DEBUG_STEP_DELAY (seconds, default 0): testing aid; sleep after each optimizer step so a
   test or demo can interrupt a tiny model mid-training.
 - JOBGEN_DEBUG_SAMPLE_LOG (default off): testing aid; with 1, each rank appends the ids of every
