@@ -229,3 +229,20 @@ def test_stand_in_pbs_server_reruns_count_as_restarts_and_past_max_restarts_the_
     # The third run started no node task: two pbsdsh calls per run, for the first two only.
     assert len(Path(stand_in_pbs["FAKE_PBS_LOG"]).read_text().splitlines()) == 4
     assert "restarts_exhausted" in jobgen("status", str(run_dir)).stdout
+
+
+@pytest.mark.parametrize("flavour,nodefile", [("pbs", ["127.0.0.1", "127.0.0.1"]), ("torque", ["127.0.0.1", "localhost"])])
+def test_stand_in_pbs_jobgens_own_variables_reach_every_node_without_the_script_naming_them(
+    tmp_path: Path, flavour: str, nodefile: list[str], stand_in_pbs
+) -> None:
+    # pbsdsh starts each node's task in a bare environment: a variable of the batch shell gets
+    # there only through node.env. The trainer's testing aid reaches every node as jobgen's own
+    # variables do, and no rendered script names it for a reviewing admin to ask about.
+    job = probe_job(2, 1)
+    job["environment"]["setup"] = ['echo "${JOBGEN_DEBUG_STEP_DELAY:-unset}" > "$JOBGEN_RUN_DIR/delay-$NODE_RANK"']
+    result = run_pbs_script(tmp_path, flavour, job, nodefile, {**stand_in_pbs, "JOBGEN_DEBUG_STEP_DELAY": "0.25"})
+    assert result.returncode == 0, result.stdout
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    assert [(run_dir / f"delay-{node}").read_text() for node in (0, 1)] == ["0.25\n", "0.25\n"]
+    script = (tmp_path / f"job.{flavour}.sh").read_text()
+    assert [line for line in script.splitlines() if "JOBGEN_DEBUG" in line and "delay-$NODE_RANK" not in line] == []
