@@ -491,6 +491,17 @@ class Training(_Strict):
     output_dir: str = Field("output", description="adapters, checkpoints and metrics; relative to the run directory")
     lora: Lora = Field(default_factory=Lora)
     gradient_checkpointing: bool = False
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="transformers' attn_implementation: auto keeps the model's default (sdpa where it has it); "
+        "flash_attention_2 needs GPUs and the flash-attn package on the nodes",
+    )
+    liger_kernel: bool = Field(
+        False,
+        description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in place of transformers' own, for the "
+        "model types Liger knows (Llama, Mistral, Qwen, Gemma, Phi-3, ...): faster and leaner on GPUs; needs "
+        "`pip install liger-kernel` on the nodes",
+    )
     group_by_length: bool = False
     packing: bool = Field(
         False,
@@ -589,6 +600,14 @@ class Job(_Strict):
             )
         if self.training.method == "qlora" and self.training.zero_stage == 3:
             raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
+        if gpus == 0:
+            # Both are CUDA kernels: on a CPU job they would fail on every node after the queue.
+            if self.training.liger_kernel:
+                raise ValueError("training.liger_kernel: Liger's kernels run on GPUs only; set it false for a CPU job "
+                                 "(resources.gpus_per_node is 0)")
+            if self.training.attention == "flash_attention_2":
+                raise ValueError("training.attention: flash_attention_2 runs on GPUs only; use sdpa or auto for a CPU "
+                                 "job (resources.gpus_per_node is 0)")
         # Each restart of a node range may land on another count; the global batch must split over all.
         uneven = [w for w in self.world_sizes if self.global_batch % w]
         if uneven:

@@ -47,6 +47,9 @@ RESUME_SAFE_FIELDS = {
     "trust_remote_code",
     # What is measured, not what trains (eval_fraction, which takes data from training, is not here).
     "eval_data", "eval_interval", "keep_best",
+    # Which kernels compute the same model, not what it computes: a checkpoint resumes with others
+    # (exactly only with the same ones, as their roundings differ).
+    "attention", "liger_kernel",
 }
 
 
