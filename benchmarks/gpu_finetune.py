@@ -174,6 +174,10 @@ class Bench:
             ("nemo-jobgen-liger", lambda: self.train("nemo-jobgen-liger", "8b", "lora", steps, gc=False, liger_kernel=True, **nemo)),
             ("cuda-checks", lambda: self.cuda_checks("cuda-checks")),
             ("nemo-plain-liger", lambda: self.plain("nemo-plain-liger", "8b", steps, gc=False, batch=2, accumulation=16, liger=True)),
+            ("nemo-plain-liger-nodrop", lambda: self.plain("nemo-plain-liger-nodrop", "8b", steps, gc=False, batch=2,
+                                                           accumulation=16, liger=True, lora_dropout=0.0)),
+            ("nemo-jobgen-nodrop", lambda: self.train("nemo-jobgen-nodrop", "8b", "lora", steps, gc=False,
+                                                      lora={**LORA, "dropout": 0.0}, **nemo)),
             ("nemo-jobgen-liger-nodrop", lambda: self.train("nemo-jobgen-liger-nodrop", "8b", "lora", steps, gc=False,
                                                             liger_kernel=True, lora={**LORA, "dropout": 0.0}, **nemo)),
         ]
@@ -306,11 +310,12 @@ class Bench:
         return result
 
     def plain(self, name: str, shape: str, steps: int, gc: bool, variant: str = "plain", batch: int | None = None,
-              accumulation: int = 1, liger: bool = False) -> dict:
+              accumulation: int = 1, liger: bool = False, lora_dropout: float = LORA["dropout"]) -> dict:
         command = [sys.executable, __file__, "--out", str(self.out / name), "--plain", self.model(shape), self.data,
                    "--steps", str(steps), "--variant", variant, "--batch", str(batch or self.args.batch),
                    "--accumulation", str(accumulation), "--sequence", str(SEQUENCE), "--warmup", str(WARMUP_STEPS)]
         command += (["--smoke"] if self.smoke else []) + (["--liger"] if liger and not self.smoke else [])
+        command += ["--lora-dropout", str(lora_dropout)]
         with open(self.out / f"{name}.log", "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1500, check=True)
         result = json.loads((self.out / name / "plain.json").read_text())
