@@ -150,8 +150,8 @@ def _sweep_logs(target: str, node: Optional[int], rank: Optional[int]) -> None:
 
 @click.command()
 @target_argument
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
-@click.option("--data", "data_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write the plotted data here, as JSON.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
+@click.option("--data", "data_file", type=click.Path(path_type=Path), help="Also write the plotted data here, as JSON.")
 def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None:
     """Draw the run: loss and tokens/s over the steps with each segment's start marked, and under
     them the segments (how each ended) with the goodput. Needs matplotlib: pip install 'jobgen[plot]'.
@@ -159,10 +159,11 @@ def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None
     A sweep's folder draws every point's loss curve in one picture (default SWEEP/plot.png),
     e.g. jobgen plot runs/NAME.
     """
+    from jobgen.files import write_output
     from jobgen.rundir.plot import plot as draw_run, plot_sweep
 
     sweep = _sweep_folder(target)
     path, data = plot_sweep(sweep, output) if sweep else draw_run(target, output)
     if data_file is not None:
-        data_file.write_text(json.dumps(data, indent=2) + "\n")
+        write_output(data_file, json.dumps(data, indent=2) + "\n")
     click.echo(f"jobgen: wrote {path}", err=True)
