@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobgen.schedulers.local import job_processes
 from tests.helpers import jobgen
-from tests.processes import signal_all
+from tests.processes import signal_all, with_environment
 from tests.local_run import _events, _logged_step, _wait_for
 
 STEPS = 40  # far more than are trained before the stop: the run must not end by itself
@@ -60,10 +59,10 @@ def test_a_local_run_ends_with_its_jobgen_and_blocks_a_second_submit_while_it_li
         _, said = first.communicate(timeout=180)
     finally:
         if first.poll() is None:  # a failed test leaves nothing training
-            signal_all(list(job_processes(job_id)) + [first.pid], signal.SIGKILL)
+            signal_all(with_environment("JOBGEN_JOB_ID", job_id) + [first.pid], signal.SIGKILL)
     assert "Aborted!" not in said and "Traceback" not in said, said
     assert "asking every rank to checkpoint at the next step boundary and stop" in said, said
-    assert not job_processes(job_id)  # nothing of the job trains on
+    assert not with_environment("JOBGEN_JOB_ID", job_id)  # nothing of the job trains on
     status = json.loads(jobgen("status", "--json", str(run_dir)).stdout)
     stopped = status["segments"][-1]
     assert stopped["outcome"] not in ("completed", "failed", "running or lost"), stopped
@@ -85,5 +84,5 @@ def test_a_local_run_ends_with_its_jobgen_and_blocks_a_second_submit_while_it_li
             _, said = resumed.communicate(timeout=180)
         finally:
             if resumed.poll() is None:
-                signal_all(list(job_processes(newest)) + [resumed.pid], signal.SIGKILL)
+                signal_all(with_environment("JOBGEN_JOB_ID", newest) + [resumed.pid], signal.SIGKILL)
         assert "is still running" not in said and _events(run_dir) >= 4, said
