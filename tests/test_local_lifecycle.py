@@ -37,7 +37,8 @@ def _job(work: Path) -> list[str]:
 @pytest.mark.parametrize("how", ["kill -INT", "kill -TERM", "kill -HUP", "jobgen cancel"])
 def test_a_local_run_ends_with_its_jobgen_and_blocks_a_second_submit_while_it_lives(how: str, tmp_path: Path) -> None:
     submit = _job(tmp_path)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5",
+           "XDG_STATE_HOME": str(tmp_path / "state")}  # `jobgen runs` lists this test's runs alone
     run_dir = tmp_path / "runs" / "lifecycle"
     first = subprocess.Popen(submit, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job_id = "-"
@@ -50,6 +51,7 @@ def test_a_local_run_ends_with_its_jobgen_and_blocks_a_second_submit_while_it_li
         assert second.returncode == 2 and len(errors) == 1, second.stderr
         assert errors[0].startswith(f"jobgen: error: job {job_id} of run directory {run_dir} is still running here "), errors
         assert f"jobgen cancel {job_id}" in errors[0]
+        assert [r["state"] for r in json.loads(jobgen("runs", "--json", env=env).stdout)] == ["running"]  # not "running or lost"
 
         if how == "jobgen cancel":
             cancelled = jobgen("cancel", job_id, env=env)

@@ -5,7 +5,8 @@ metrics.jsonl: step of total, loss, tokens/s, time left) is shown by the reader,
 into any log: on a terminal as one line at the bottom, redrawn in place (carriage return) under
 the log lines; elsewhere (a file, a pipe) as a plain `jobgen: step ...` line per record. The
 trainer's own step lines in a node or rank log are plain lines too; on a terminal they are
-folded into the updating line instead of scrolling.
+folded into the updating line instead of scrolling. While `jobgen submit` shows a job it runs
+itself, a stop jobgen is sent is passed on to the job (StopRequests).
 """
 
 from __future__ import annotations
