@@ -78,7 +78,8 @@ class Local(Scheduler):
 def job_processes(job_id: str) -> dict[int, int]:
     """pid -> parent pid of this machine's processes of local job `job_id`: those with
     JOBGEN_JOB_ID=job_id in their environment (submit sets it; the script's nodes and ranks
-    inherit it). Another user's processes cannot be read, and are not this user's job."""
+    inherit it; the id, seconds and jobgen's pid, names one job). A process whose environment
+    cannot be read (another user's) is passed over."""
     wanted = f"JOBGEN_JOB_ID={job_id}".encode()
     found = {}
     for entry in Path("/proc").iterdir():
