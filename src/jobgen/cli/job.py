@@ -32,7 +32,7 @@ from jobgen.cli.options import (
 @set_option
 @template_dir_option
 @with_sweep_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the script here instead of printing it: a file is replaced whole (mode 0644), a device or FIFO written to, a symlink's target written.")
 def render(
     config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
     sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], output: Optional[Path],
@@ -64,9 +64,9 @@ def render(
     if output is None:
         click.echo(script, nl=False)
         return
-    from jobgen.files import write_atomic
+    from jobgen.files import write_output
 
-    write_atomic(output, script)
+    write_output(output, script)
     click.echo(f"jobgen: wrote {output}", err=True)
 
 
