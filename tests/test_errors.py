@@ -55,6 +55,18 @@ CASES = {
         "launch: {procs_per_node: 1, ssh_options: [-i]}\ntraining: {model: m, data: d}\n",
         "ssh option -i needs a value after it",
     ),
+    "a key given twice: the second would silently win": (
+        "launch: {procs_per_node: 1}\ntraining:\n  model: m\n  data: d\n  epochs: 12\n  epochs: 3\n",
+        "job.yaml: key 'training.epochs' is given twice, at line 5 and line 6; YAML would keep only the second: keep one",
+    ),
+    "a section given twice: the second would drop every value of the first": (
+        "training:\n  model: m\n  data: d\nlaunch: {procs_per_node: 1}\ntraining:\n  epochs: 3\n",
+        "key 'training' is given twice, at line 1 and line 5",
+    ),
+    "a key given twice deeper down": (
+        BASE + "environment:\n  variables:\n    HF_HOME: /a\n    HF_HOME: /b\n",
+        "key 'environment.variables.HF_HOME' is given twice, at line 5 and line 6",
+    ),
     "qlora with zero 3": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlora, zero_stage: 3}\n",
         "qlora does not work with training.zero_stage 3",
@@ -96,6 +108,23 @@ def test_a_time_given_with_set_is_the_time_not_its_base_60_number(tmp_path: Path
     result = jobgen("render", "-s", "slurm", str(config), "--set", "resources.time_limit=24:00:00")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --time=1-00:00:00" in result.stdout
+
+
+def test_a_value_given_to_set_with_a_key_twice_is_refused_naming_set(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE)
+    result = jobgen("render", "-s", "slurm", str(config), "--set", "training.lora={r: 8, r: 16}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "jobgen: error: --set 'training.lora={r: 8, r: 16}': key 'r' is given twice; YAML would keep only the second: keep one"
+    )
+
+
+def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE.replace("training: {model: m, data: d}", "training:\n  model: m\n  data: d\n  lora:\n    <<: {r: 8, alpha: 16}\n    r: 4\n"))
+    result = jobgen("render", "-s", "slurm", str(config))
+    assert result.returncode == 0, result.stderr
 
 
 def test_missing_file_and_unknown_scheduler() -> None:

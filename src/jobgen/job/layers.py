@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from jobgen.errors import JobgenError, describe_validation_error
 from jobgen.job.models import Job
 from jobgen.job.sites import SiteProfile, load_site
-from jobgen.job.yamlfile import Sexagesimal, check_shape, parse_yaml
+from jobgen.job.yamlfile import DuplicateKey, Sexagesimal, check_shape, parse_yaml
 from jobgen.job.yamlfile import read_yaml_mapping as _read_yaml
 
 
@@ -69,6 +69,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         raise JobgenError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set resources.nodes=4")
     try:
         value = parse_yaml(raw) if raw.strip() else ""
+    except DuplicateKey as error:
+        raise JobgenError(f"--set {assignment!r}: {error.without_lines}") from None
     except ValueError:
         value = raw  # not YAML: the text itself, which validation then accepts or names
     if isinstance(value, Sexagesimal):
