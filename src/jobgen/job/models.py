@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from jobgen.job.yamlfile import Sexagesimal
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# A variable's value: text once validated, but a number or boolean in the file (`jobgen schema`
+# tells editors so); Environment turns them into the text the shell gets.
+ShellText = Annotated[str, WithJsonSchema({"type": ["string", "number", "boolean"]})]
 # Slurm/PBS names for partitions, queues, accounts, QoS, modules: conservative on purpose.
 SCHEDULER_NAME = r"^[A-Za-z0-9_.@%+:/-]+$"
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
@@ -267,7 +270,10 @@ class Environment(_Strict):
     setup: list[str] = Field(
         default_factory=list, description="shell lines run as written, e.g. 'source ~/venvs/ft/bin/activate'"
     )
-    variables: dict[str, str] = Field(default_factory=dict, description="exported on every node")
+    variables: dict[str, ShellText] = Field(
+        default_factory=dict,
+        description="exported on every node; a number as written, true/false as 1/0 (quote 'true' for the word)",
+    )
     secrets: list[str] = Field(
         default_factory=list, description="names of variables passed from the submitting shell; values never written"
     )
@@ -289,6 +295,14 @@ class Environment(_Strict):
                 raise ValueError("each setup entry must be one line; give several entries instead")
         return value
 
+    @field_validator("variables", mode="before")
+    @classmethod
+    def _numbers_as_shell_text(cls, value: object) -> object:
+        # NCCL's settings are numbers (NCCL_IB_GID_INDEX: 3); the shell only has text.
+        if not isinstance(value, dict):
+            return value
+        return {name: shell_text(item, name) for name, item in value.items()}
+
     @field_validator("variables")
     @classmethod
     def _variable_names(cls, value: dict[str, str]) -> dict[str, str]:
@@ -302,6 +316,26 @@ class Environment(_Strict):
         for name in value:
             _check_env_name(name)
         return value
+
+
+def shell_text(value: object, name: object) -> object:
+    """A variable's value as the shell holds it: a number as written in decimal, true/false as 1/0
+    (what NCCL, PyTorch and the Hugging Face libraries read as on/off; quote 'true' for the word),
+    a time YAML read in base 60 (1:30) as its text. Text passes; anything else is refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, Sexagesimal):
+        return value.text
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return str(value)
+    raise ValueError(f"{name}: {_short(value)} is not a value for a variable; give text, a number or true/false")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_env_name(name: str) -> None:
