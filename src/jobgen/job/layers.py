@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from jobgen.errors import JobgenError, describe_validation_error
 from jobgen.job.models import Job
+from jobgen.job.nccl import not_nccl_warnings
 from jobgen.job.sites import SiteProfile, load_site
 from jobgen.job.yamlfile import DuplicateKey, Sexagesimal, check_shape, parse_yaml
 from jobgen.job.yamlfile import read_yaml_mapping as _read_yaml
@@ -115,4 +116,5 @@ def job_warnings(job: Job) -> list[str]:
             f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "
             "64-256, the usual range for LoRA fine-tunes"
         )
+    warnings += not_nccl_warnings(job.environment.variables)
     return warnings

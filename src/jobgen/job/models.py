@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from jobgen.job import nccl
 from jobgen.job.yamlfile import Sexagesimal
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -171,18 +172,6 @@ class Resources(_Strict):
         return parse_memory_mb(self.memory_per_node) if self.memory_per_node else None
 
 
-NETWORK_PRESETS: dict[str, dict[str, str]] = {
-    # Only what NCCL cannot know by itself: whether to use the IB transport at all. NCCL picks the
-    # RoCEv2 GID index and the GPUDirect RDMA level per fabric; a fixed NCCL_IB_GID_INDEX=3 or
-    # NCCL_NET_GDR_LEVEL=PHB is wrong on some fabrics (a site that needs one sets it in
-    # environment.variables). Plain Ethernet must not probe for IB at all (it hangs or warns).
-    "infiniband": {"NCCL_IB_DISABLE": "0"},
-    "roce": {"NCCL_IB_DISABLE": "0"},
-    "ethernet": {"NCCL_IB_DISABLE": "1"},
-    "auto": {},
-}
-
-
 class Launch(_Strict):
     """How one process per GPU is started on every node."""
 
@@ -193,7 +182,9 @@ class Launch(_Strict):
         "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
     )
     rendezvous: Literal["static", "c10d"] = "static"
-    network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
+    network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
+        "auto", description="the NCCL variables of this fabric (docs/nccl.md); auto leaves NCCL to detect it"
+    )
     health_check: bool = Field(
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
@@ -621,6 +612,9 @@ class Job(_Strict):
                 f"launch.procs_per_node ({procs}) must equal resources.gpus_per_node ({gpus}): "
                 "one process per GPU; leave procs_per_node unset"
             )
+        twice = nccl.conflict(self.launch, self.environment.variables)
+        if twice:
+            raise ValueError(twice)
         if self.training.method == "qlora" and self.training.zero_stage == 3:
             raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
         # Each restart of a node range may land on another count; the global batch must split over all.
