@@ -116,5 +116,8 @@ def job_warnings(job: Job) -> list[str]:
             f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "
             "64-256, the usual range for LoRA fine-tunes"
         )
+    if job.written_name != job.name:
+        where = "job name" if job.run_dir else f"job name and the run directory {job.effective_run_dir}"
+        warnings.append(f"name {job.name!r} is written {job.written_name!r} for the scheduler's {where}")
     warnings += not_nccl_warnings(job.environment.variables)
     return warnings

@@ -573,7 +573,10 @@ class Job(_Strict):
     """A whole job file."""
 
     name: str = Field("jobgen", min_length=1, max_length=200)
-    run_dir: Optional[str] = Field(None, description="defaults to runs/<name>, relative to the submit directory")
+    run_dir: Optional[str] = Field(
+        None, description="defaults to runs/<name>, relative to the submit directory (a name in another script "
+        "than ASCII is written in ASCII with a hash of it, e.g. qwen-cce06f)",
+    )
     resources: Resources = Field(default_factory=Resources)
     launch: Launch = Field(default_factory=Launch)
     environment: Environment = Field(default_factory=Environment)
@@ -660,8 +663,30 @@ class Job(_Strict):
 
     @property
     def effective_run_dir(self) -> str:
-        return self.run_dir or f"runs/{_slug(self.name)}"
+        return self.run_dir or f"runs/{self.written_name}"
+
+    @property
+    def written_name(self) -> str:
+        """The name as the scheduler's job name and the run directory take it (written_name())."""
+        return written_name(self.name)
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "job"
+def written_name(name: str) -> str:
+    """`name` in letters, digits, '_', '.' and '-', as schedulers and file systems take it on every
+    site: a name already so is kept; one with other ASCII characters has them made '-' (`my job` is
+    `my-job`, as it always was, so a resubmitted run finds its folder). A name with other letters
+    (`训练-qwen`, `modèle`) keeps what it has in ASCII (accents dropped) and adds a hash of the whole
+    name: dropping the rest would make two jobs one run directory (`训练-qwen` and `微调-qwen` both
+    `qwen`), and a resubmitted job continues from the checkpoints it finds there."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")
+    if name.isascii() and slug:
+        return slug
+    import hashlib
+    import unicodedata
+
+    # NFC first: a name typed with a composed or a decomposed é is one job.
+    same = unicodedata.normalize("NFC", name)
+    digest = hashlib.sha256(same.encode("utf-8")).hexdigest()[:6]
+    ascii_part = unicodedata.normalize("NFKD", same).encode("ascii", "ignore").decode()
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", ascii_part).strip("-.")[:57].rstrip("-.")  # 64 with the hash
+    return f"{readable or 'job'}-{digest}"
