@@ -127,6 +127,14 @@ def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_folder_given_as_the_job_is_one_line_naming_its_yaml_files(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(BASE)
+    for command in ("validate", "render", "submit", "prepare", "data"):
+        result = jobgen(command, str(tmp_path))
+        assert result.returncode == 2 and result.stdout == "", command
+        assert result.stderr == f"jobgen: error: {tmp_path}: is a folder, not a YAML file; give the file (job.yaml here)\n"
+
+
 def test_missing_file_and_unknown_scheduler() -> None:
     assert "no such file" in jobgen("validate", "nope.yaml").stderr
     result = jobgen("render", "-s", "lsf", "nope.yaml")

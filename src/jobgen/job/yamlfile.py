@@ -56,6 +56,8 @@ def read_yaml_mapping(path: Path, example_keys: str = "resources:, training:, ..
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise JobgenError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise JobgenError(f"{path}: {_folder_not_file(Path(path))}") from None
     except OSError as error:
         raise JobgenError(f"{path}: cannot read: {error.strerror}") from None
     try:
@@ -88,6 +90,12 @@ class DuplicateKey(ValueError):
     def without_lines(self) -> str:
         """The message for a one-line value (`--set`), where line numbers say nothing."""
         return f"key '{self.key}' is given twice; {self._fix}"
+
+
+def _folder_not_file(path: Path) -> str:
+    found = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))[:4] if path.is_dir() else []
+    holds = f" ({', '.join(found)}{', ...' if len(found) == 4 else ''} here)" if found else ""
+    return f"is a folder, not a YAML file; give the file{holds}"
 
 
 def parse_yaml(text: str) -> Any:
