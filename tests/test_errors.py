@@ -15,6 +15,14 @@ CASES = {
         "resources: {gpu_per_node: 4}\n" + BASE,
         "unknown key 'resources.gpu_per_node' (did you mean 'gpus_per_node'?)",
     ),
+    "another tool's name for a field suggests the field, not the closest spelling": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lr: 2.0e-4, lora: {lora_alpha: 16}}\n",
+        "unknown key 'training.lr' (did you mean 'learning_rate'?)",
+    ),
+    "another tool's name one level down": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lora: {lora_alpha: 16}}\n",
+        "unknown key 'training.lora.lora_alpha' (did you mean 'alpha'?)",
+    ),
     "wrong choice suggests the closest": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlor}\n",
         "'training.method' is 'qlor': Input should be 'full', 'lora' or 'qlora' (did you mean 'qlora'?)",

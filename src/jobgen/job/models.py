@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
@@ -42,6 +42,10 @@ JOBGEN_CHUNK_RESOURCES = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Names other tools give these fields (Hugging Face TrainingArguments, LLaMA-Factory, axolotl,
+    # Slurm): an unknown key that is one of them is answered with the field, which spelling
+    # closeness alone misses (`lr` is closer to `lora` than to `learning_rate`).
+    other_names: ClassVar[dict[str, str]] = {}
 
 
 def parse_time_limit(text: str) -> int:
@@ -84,6 +88,11 @@ def parse_memory_mb(text: str) -> int:
 
 class Resources(_Strict):
     """What the scheduler is asked for."""
+
+    other_names: ClassVar[dict[str, str]] = {
+        "gpus": "gpus_per_node", "ntasks_per_node": "gpus_per_node", "time": "time_limit", "walltime": "time_limit",
+        "mem": "memory_per_node", "memory": "memory_per_node", "queue": "partition", "cpus_per_task": "cpus_per_node",
+    }
 
     nodes: int | str = Field(
         1,
@@ -174,6 +183,8 @@ class Resources(_Strict):
 
 class Launch(_Strict):
     """How one process per GPU is started on every node."""
+
+    other_names: ClassVar[dict[str, str]] = {"nproc_per_node": "procs_per_node", "nnodes": "resources.nodes"}
 
     procs_per_node: Optional[int] = Field(
         None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
@@ -402,6 +413,11 @@ class Container(_Strict):
 
 
 class Lora(_Strict):
+    other_names: ClassVar[dict[str, str]] = {
+        "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+        "target": "target_modules", "lora_target": "target_modules", "lora_target_modules": "target_modules",
+    }
+
     r: int = Field(16, ge=1, le=1024)
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
@@ -420,6 +436,23 @@ class Lora(_Strict):
 
 class Training(_Strict):
     """The fine-tune `jobgen-train` runs."""
+
+    other_names: ClassVar[dict[str, str]] = {
+        "lr": "learning_rate",
+        "batch_size": "per_device_batch_size", "micro_batch_size": "per_device_batch_size",
+        "per_device_train_batch_size": "per_device_batch_size", "train_batch_size": "global_batch_size",
+        "gradient_accumulation_steps": "gradient_accumulation",
+        "lr_scheduler": "lr_schedule", "lr_scheduler_type": "lr_schedule", "scheduler": "lr_schedule",
+        "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+        "num_train_epochs": "epochs", "num_epochs": "epochs",
+        "model_name_or_path": "model", "base_model": "model", "dataset": "data", "train_file": "data",
+        "max_seq_length": "max_length", "max_seq_len": "max_length", "sequence_len": "max_length",
+        "cutoff_len": "max_length", "model_max_length": "max_length",
+        "save_steps": "save_interval", "save_total_limit": "keep_checkpoints", "logging_steps": "logging_interval",
+        "eval_steps": "eval_interval", "bf16": "precision", "fp16": "precision", "deepspeed": "deepspeed_config",
+        "finetuning_type": "method", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+        "lora_target": "lora.target_modules", "lora_target_modules": "lora.target_modules",
+    }
 
     model: str = Field(..., description="local path or hub name of a causal LM")
     model_revision: str = Field(
