@@ -110,6 +110,21 @@ def test_bad_command_line_values_fail_clearly(tmp_path: Path, args: list[str], m
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_bad_value_given_with_set_is_blamed_on_the_set_not_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("resources: {nodes: 2}\n" + BASE)
+    result = jobgen("validate", str(config), "--set", "resources.nodes=three", "--set", "training.lr=1e-4")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "jobgen: error: --set 'resources.nodes=three': 'resources.nodes' is 'three': expected a node count (4) or, "
+        "on Slurm, a range MIN-MAX (\"2-4\")",
+        "jobgen: error: --set 'training.lr=1e-4': unknown key 'training.lr' (did you mean 'learning_rate'?); known keys "
+        "here: " + result.stderr.split("known keys here: ")[1].splitlines()[0],
+    ]
+    config.write_text("resources: {nodes: three}\n" + BASE)  # the file's own mistake still names the file
+    assert f"jobgen: error: {config}: 'resources.nodes' is 'three'" in jobgen("validate", str(config)).stderr
+
+
 def test_a_time_given_with_set_is_the_time_not_its_base_60_number(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(BASE)
