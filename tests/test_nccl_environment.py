@@ -101,10 +101,11 @@ def test_one_variable_set_twice_differently_is_refused_naming_both_fields(tmp_pa
     for launch, variables, message in [
         ({"socket_ifname": "ib0"}, {"NCCL_SOCKET_IFNAME": "eth0"},
          "environment.variables.NCCL_SOCKET_IFNAME is 'eth0' but launch.socket_ifname sets NCCL_SOCKET_IFNAME "
-         "to 'ib0': keep one of the two"),
+         "to 'ib0': set launch.socket_ifname: eth0 instead"),
         ({"nccl_debug": "INFO"}, {"NCCL_DEBUG": "WARN"}, "but launch.nccl_debug sets NCCL_DEBUG to 'INFO'"),
         ({"network": "infiniband"}, {"NCCL_IB_DISABLE": 1},
-         "environment.variables.NCCL_IB_DISABLE is '1' but launch.network infiniband sets NCCL_IB_DISABLE to '0'"),
+         "environment.variables.NCCL_IB_DISABLE is '1' but launch.network infiniband sets NCCL_IB_DISABLE to '0': "
+         "remove it, or choose the launch.network that sets it so"),
     ]:
         config = job_file(tmp_path, launch, variables)
         for command in (["validate"], ["render", "-s", "slurm"]):

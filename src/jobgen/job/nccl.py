@@ -100,10 +100,9 @@ def conflict(launch: Any, variables: dict[str, str]) -> Optional[str]:
     """One line for a variable that environment.variables and a launch field set differently."""
     for name, (value, field) in launch_settings(launch).items():
         if name in variables and variables[name] != value:
-            return (
-                f"environment.variables.{name} is {variables[name]!r} but {field} sets {name} to {value!r}: "
-                f"keep one of the two"
-            )
+            instead = (f"set {field}: {variables[name]} instead" if field.startswith("launch.") and " " not in field
+                       else "remove it, or choose the launch.network that sets it so")
+            return f"environment.variables.{name} is {variables[name]!r} but {field} sets {name} to {value!r}: {instead}"
     return None
 
 

@@ -187,6 +187,7 @@ def _render(
     # A plug-in scheduler's own template: after every override, before the bundled templates.
     folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
     env = template_environment(folders)
+    nccl = nccl_exports(job)
     context = {
         "job": job,
         "version": __version__,
@@ -195,8 +196,8 @@ def _render(
         "site": resolved.site.name,
         "directives": [Raw(line) for line in directives],
         "launcher": launcher,
-        "nccl": {name: value for name, (value, _) in nccl_exports(job).items()},
-        "nccl_reasons": {name: reason for name, (_, reason) in nccl_exports(job).items()},
+        "nccl": {name: value for name, (value, _) in nccl.items()},
+        "nccl_reasons": {name: reason for name, (_, reason) in nccl.items()},
         "job_yaml": Raw(as_set_yaml(job)),  # what the job sets: jobgen-train adds the defaults back
         "job_yaml_end": Raw(JOB_YAML_END),
         "node_script_end": Raw(NODE_SCRIPT_END),
