@@ -291,6 +291,9 @@ def test_names_in_other_scripts_keep_two_jobs_apart_and_say_how_they_are_written
     assert re.fullmatch(r"job-[0-9a-f]{6}", written["微调"]) and re.fullmatch(r"modele-[0-9a-f]{6}", written["modèle"])
     again = jobgen("render", "-s", "slurm", str(write_job(tmp_path / "job.yaml", {**cpu_job(), "name": "modèle"})))
     assert f"--job-name={written['modèle']}\n" in again.stdout  # the same name, the same run directory every time
+    for command in (["validate"], ["submit", "-s", "slurm", "--dry-run"]):  # each says it too, in one line
+        said = jobgen(*command, str(tmp_path / "job.yaml")).stderr
+        assert f"jobgen: warning: name 'modèle' is written '{written['modèle']}' for the scheduler's" in said, command
 
 
 def test_a_name_schedulers_take_is_written_as_it_is_and_not_mentioned(tmp_path: Path) -> None:
