@@ -125,6 +125,28 @@ def test_a_local_model_folder_must_exist_and_hold_config_json(tmp_path: Path) ->
         assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
 
 
+def test_max_length_above_the_models_positions_is_refused_naming_both_numbers(tmp_path: Path) -> None:
+    write_conversations(tmp_path / "data.json")
+    model = tmp_path / "models" / "small"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 4096}')
+    result = jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=32768)), cwd=tmp_path)
+    assert result.returncode == 2 and errors_of(result) == [
+        f"jobgen: error: training.max_length 32768 is above the 4096 positions {model} has (max_position_embeddings "
+        f"in {model}/config.json): rows that long index past its position table or run on positions it never "
+        "trained; lower training.max_length to 4096 or less"
+    ]
+    assert jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=4096)), cwd=tmp_path).returncode == 0
+    # A RoPE scaling's factor stretches the positions (Qwen2.5's YaRN: 32768 x 4).
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }))
+    assert jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=131072)), cwd=tmp_path).returncode == 0
+    result = jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=262144)), cwd=tmp_path)
+    assert "is above the 131072 positions" in result.stderr and "(max_position_embeddings x rope_scaling.factor in" in result.stderr
+
+
 def test_records_with_tools_are_refused_before_the_queue_where_the_job_trains_in_chatml(tmp_path: Path) -> None:
     # The trainer refuses them at its start (tests/train/test_tool_calls.py); validate says the same
     # line where the files tell the layout: ChatML set, or a model whose tokenizer has no template.

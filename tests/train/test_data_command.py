@@ -93,6 +93,8 @@ def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_pat
     assert cut
     said = f"{len(cut)} of {len(conversations)} conversations cut at max_length 48, {sum(c - 48 for c in cut)} tokens lost"
     assert f"jobgen: {said}; the longest, " in prepared.stderr and "raise training.max_length" in prepared.stderr
+    again = jobgen("prepare", str(job), "--site", "none")
+    assert again.returncode == 0 and ") was prepared already; nothing to do\n" in again.stderr, again.stderr
     after = jobgen("data", str(job), "--show", "1", "--site", "none")
     assert after.returncode == 0, after.stderr
     assert after.stdout.splitlines()[-1].startswith("# the whole data set (store ") and said in after.stdout

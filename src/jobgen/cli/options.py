@@ -42,7 +42,8 @@ class SchedulerName(click.ParamType):
         return [CompletionItem(name) for name in scheduler_names() if name.startswith(incomplete)]
 
 
-config_argument = click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+# A folder is refused by the reader, in one line naming the YAML files it holds, not by Click's usage text.
+config_argument = click.argument("config", type=click.Path(path_type=Path))
 site_option = click.option(
     "--site", metavar="NAME", help="Site profile: a name on the site path, or a .yaml file; the default is `site:` in "
     "$XDG_CONFIG_HOME/jobgen/config.yaml, and `--site none` uses none (see `jobgen sites list`)."

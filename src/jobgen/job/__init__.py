@@ -1,6 +1,7 @@
 """The job description: everything a user writes, read and checked before anything is rendered.
 
     models.py           the typed job (pydantic): every field a job file may hold
+    nccl.py             NCCL's variables: each launch.network preset and why, one setting per variable
     layers.py           bundled defaults < site profile < job file < --set overrides
     dump.py             a job written back as YAML (complete, or as set)
     sites.py            site profiles: where they are found, their defaults and limits

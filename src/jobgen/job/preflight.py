@@ -182,7 +182,8 @@ def _check_model_config(job: Job, model: str) -> Optional[str]:
 
     try:
         problems = model_config_problems(model, job.training.method, job.training.trust_remote_code,
-                                         job.training.model_revision, job_cache(job.environment.variables))
+                                         job.training.model_revision, job_cache(job.environment.variables),
+                                         job.training.max_length)
     except UserError as error:
         return str(error)
     return "\n".join(problems) or None

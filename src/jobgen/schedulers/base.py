@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from jobgen.errors import JobgenError
-from jobgen.job.models import Job, _slug
+from jobgen.job.models import Job
 from jobgen.schedulers.state import JobState
 
 
@@ -156,7 +156,7 @@ class Scheduler:
     @staticmethod
     def job_name(job: Job) -> str:
         # Schedulers restrict names (PBS: no spaces, 236 chars); the full name stays in the header.
-        return _slug(job.name)[:64]
+        return job.written_name[:64]
 
 
 def directive_options(line: str) -> list[tuple[str, str]]:

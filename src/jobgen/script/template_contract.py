@@ -18,7 +18,8 @@ VARIABLES: dict[str, str] = {
     "launcher": "the per-node launcher: srun, pbsdsh, pbs_tmrsh, ssh, mpiexec or local",
     "launchers": "the launcher macros (launchers.sh.j2): launchers[launcher](job) starts node.sh on every node",
     "warnings": "one line each: what the job asks that runs but is probably not meant",
-    "nccl": "NCCL variables of the job's network preset, NAME -> value (empty on CPUs)",
+    "nccl": "NCCL variables of the job's network preset and launch fields, NAME -> value (empty on CPUs)",
+    "nccl_reasons": "NAME -> one line: the field that sets each of nccl's variables and why (jobgen.job.nccl)",
     "files": "the run directory's file names (jobgen.rundir.files), e.g. files.stop_requested",
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
     "node_request_on_host": "PBS Pro and Torque: one node's request naming its host (resource, printf format, "
@@ -35,7 +36,7 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
         "environment": ("the job's secrets and exported variables (NCCL's, environment.variables)", frozenset(
-            {"job", "nccl"})),
+            {"job", "nccl", "nccl_reasons"})),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),
         "timers": ("filled by the scheduler's template: warnings before the time limit", frozenset()),
         "launch": ("the per-node launch: starts node.sh on every node (binding flags, pyxis options)", frozenset(

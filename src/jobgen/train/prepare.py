@@ -133,7 +133,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # Before anything reads the hub's settings; the model, its tokenizer and the store's key at
     # the run's pinned commit, where a branch names it.
     resolved = resolved.model_copy(update={"model_revision": _pinned_revision(run_dir, resolved)})
-    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code, resolved.model_revision)
+    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code, resolved.model_revision,
+                                     max_length=training.max_length)
     if problems:
         raise UserError("\n".join(problems))
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
