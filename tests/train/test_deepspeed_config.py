@@ -163,3 +163,38 @@ def test_the_qwen_guides_config_trains_unedited(tools, tiny, tmp_path, qwen_conf
     assert result.returncode == 0, result.stdout
     assert "optimizer AdamW makes DeepSpeed compile its fused_adam op" in result.stdout
     assert tools.adapter_weights(job.parent / "output")
+
+
+# A ZeRO-3 JSON as the Hugging Face docs and the Qwen guide write it: the bucket sizes 'auto'.
+ZERO3_AUTO_BUCKETS = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_auto_bucket_sizes_of_a_model_not_staged_name_the_cache_and_prepare_in_validate_and_render(tmp_path, tiny):
+    # The sizes come from the model's hidden_size, which its config.json in the nodes' cache gives:
+    # the cause is that config not being there, not a value the user forgot to give.
+    ds = tmp_path / "ds_config_zero3.json"
+    ds.write_text(json.dumps(ZERO3_AUTO_BUCKETS))
+    job = _job(tmp_path, tiny, model="Qwen/Qwen-14B", method="full", zero_stage=3, deepspeed_config=str(ds))
+    cache = tmp_path / "hf"
+    said = (f"training.deepspeed_config: {ds} has 'auto' at zero_optimization.reduce_bucket_size, "
+            "zero_optimization.stage3_prefetch_bucket_size, zero_optimization.stage3_param_persistence_threshold, "
+            "which the model's hidden_size fills (as the Hugging Face Trainer does), and Qwen/Qwen-14B's config.json "
+            f"is not in the cache the nodes use (HF_HOME={cache}) to read it from: stage the model there with "
+            "`jobgen prepare JOB.yaml` (the nodes then fill them from it as the job starts), or give values")
+    env = {"HF_HOME": str(cache)}
+    result = jobgen("validate", str(job), "--site", "none", env=env)
+    assert result.returncode == 2 and f"jobgen: error: {said}\n" in result.stderr, result.stderr
+    assert "give a value" not in result.stderr
+    result = jobgen("render", "-s", "slurm", str(job), "--site", "none", env=env)
+    assert result.returncode == 0 and f"jobgen: warning: {said}\n" in result.stderr, result.stderr
+    # Staged, the same file fills from the model's hidden_size (the tiny model's 64), as on the nodes.
+    config = build_config(_training(zero_stage=3), 2, "bf16", str(ds), hidden_size=64)["zero_optimization"]
+    assert config["reduce_bucket_size"] == 64 * 64

@@ -52,6 +52,12 @@ def _read(path: str) -> dict:
     return config
 
 
+# transformers' integrations.deepspeed: each 'auto' ZeRO size as a function of hidden_size.
+HIDDEN_SIZE_AUTOS = {
+    "reduce_bucket_size": lambda hidden: hidden * hidden,
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
 SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 # What the Hugging Face Trainer fills a "gradient_clipping": "auto" with (its max_grad_norm default).
 DEFAULT_GRADIENT_CLIPPING = 1.0
@@ -65,12 +71,14 @@ COMPILED_OPTIMIZERS = {
 
 
 def build_config(training: Training, world_size: int, precision: str, user_path: str | None,
-                 micro: int | None = None, accumulation: int | None = None, hidden_size: int | None = None) -> dict:
+                 micro: int | None = None, accumulation: int | None = None, hidden_size: int | None = None,
+                 no_hidden_size: str = "") -> dict:
     """The resolved config dict for `deepspeed.initialize`; `precision` is what actually runs;
     `micro` x `accumulation` x `world_size` is the global batch (default: the job's fields).
     'auto' is filled as the Hugging Face Trainer fills it (the ZeRO bucket sizes from the model's
-    `hidden_size`); a value that disagrees with the job, or an 'auto' nothing fills, is one line
-    each of one UserError."""
+    `hidden_size`; `no_hidden_size` says why there is none, where the model's config is not
+    here); a value that disagrees with the job, or an 'auto' nothing fills, is one line each of
+    one UserError."""
     path = user_path or bundled_config_path(training.zero_stage)
     config = copy.deepcopy(_read(path))
     problems: list[str] = []
@@ -91,18 +99,30 @@ def build_config(training: Training, world_size: int, precision: str, user_path:
     fill(["optimizer", "params", "weight_decay"], training.weight_decay, "training.weight_decay")
     fill(["optimizer", "params", "betas"], [training.adam_beta1, training.adam_beta2], "training.adam_beta1/adam_beta2")
     fill(["optimizer", "params", "eps"], training.adam_epsilon, "training.adam_epsilon")
-    zero = config.get("zero_optimization")
-    if hidden_size and isinstance(zero, dict):  # transformers' integrations.deepspeed fills these so
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
-            if zero.get(key) == "auto":
-                zero[key] = value
+    _fill_bucket_sizes(config, path, hidden_size, no_hidden_size, problems)
     problems += [f"training.deepspeed_config: {path} has 'auto' at {where}, which jobgen does not fill; give a value"
                  for where in _find_autos(config)]
     if problems:
         raise UserError("\n".join(problems))
     return config
+
+
+def _fill_bucket_sizes(config: dict, path: str, hidden_size: int | None, no_hidden_size: str, problems: list[str]) -> None:
+    """The ZeRO sizes transformers' integrations.deepspeed fills from the model's hidden_size;
+    without one, one line for them all that says why (the model's config not here, usually)."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    autos = [key for key in HIDDEN_SIZE_AUTOS if zero.get(key) == "auto"]
+    if autos and not hidden_size:
+        where = ", ".join(f"zero_optimization.{key}" for key in autos)
+        problems.append(f"training.deepspeed_config: {path} has 'auto' at {where}, which the model's hidden_size fills "
+                        f"(as the Hugging Face Trainer does), and {no_hidden_size or 'the model has none'}")
+        for key in autos:
+            del zero[key]  # said here, not again as an 'auto' nothing fills
+        return
+    for key in autos:
+        zero[key] = HIDDEN_SIZE_AUTOS[key](hidden_size)
 
 
 def _scheduler(config: dict, training: Training, path: str, problems: list[str]) -> None:
@@ -198,9 +218,19 @@ def check_job_deepspeed(job: Job, base: str) -> list[str]:
         micro, accumulation = training.per_device_batch_size, training.gradient_accumulation
     cache = job_cache(job.environment.variables)
     model = find_model_config(os.path.join(base, training.model)) or find_model_config(training.model, training.model_revision, cache)
-    config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}))
+    config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}),
+                          no_hidden_size(training.model, model.path if model else None, f"the cache the nodes use ({cache.chosen_by})"))
     notice = compiled_op_notice(config, path)
     return [notice] if notice else []
+
+
+def no_hidden_size(model: str, config_path: str | None, cache_words: str) -> str:
+    """Why the model's hidden_size is not known where `cache_words` is the hub cache looked in:
+    its config.json has none, or (a hub model) is not there to read it from; with the fix."""
+    if config_path is not None:
+        return f"its config.json ({config_path}) has no hidden_size: give values"
+    return (f"{model}'s config.json is not in {cache_words} to read it from: stage the model there with "
+            "`jobgen prepare JOB.yaml` (the nodes then fill them from it as the job starts), or give values")
 
 
 def hidden_size_of(model_config: dict) -> int | None:
