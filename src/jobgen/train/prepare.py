@@ -22,7 +22,7 @@ from jobgen.rundir.files import MODEL_COMMIT
 from jobgen.rundir.model_pin import needs_pin, pin_commit, pinned_commit
 from jobgen.train.chat_template import CHATML, TOKENIZER
 from jobgen.train.distributed import Placement, place
-from jobgen.train.dsconfig import build_config, digest, hidden_size_of, no_hidden_size, without_split
+from jobgen.train.dsconfig import build_config, digest, followed_schedule, hidden_size_of, no_hidden_size, without_split
 from jobgen.train.modeling import use_hub_cache
 from jobgen.train.store import check_data_path
 
@@ -131,6 +131,9 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
+    followed = followed_schedule(resolved)  # the DeepSpeed JSON's scheduler, as the Hugging Face Trainer runs it
+    if followed:
+        resolved = resolved.model_copy(update={"lr_schedule": followed[1]})
     state_fields = resume_settings(resolved)  # the job's revision, not the commit it is pinned to
     # Before anything reads the hub's settings; the model, its tokenizer and the store's key at
     # the run's pinned commit, where a branch names it.
