@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from jobgen.job.hub_cache import hub_cache, job_cache, look_up
+from tests.hub_stand_in import HubStandIn
 
 MODEL = "jobgen-test/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -252,7 +253,9 @@ def test_stage_model_downloads_what_training_needs_into_the_jobs_cache(tiny: Pat
     hf_home = tmp_path / "shared-hf"
     job = Job.model_validate(yaml.safe_load(write_job(tmp_path / "job", tiny, hf_home).read_text()))
     lines: list[str] = []
-    cached = stage_model(job, progress=lines.append)
+    with HubStandIn({MODEL: {"model_type": "llama"}}) as hub:  # asked before the download: it has the model
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        cached = stage_model(job, progress=lines.append)
     assert cached.complete and cached.commit == COMMIT
     assert [call[:3] for call in calls] == [(MODEL, "main", str(hf_home / "hub"))]
     assert lines[-1] == (f"training.model: {MODEL} is in {hf_home}/hub at commit {COMMIT}; "
@@ -321,11 +324,13 @@ def test_stand_in_hub_jobgen_prepare_pins_what_it_downloads_and_keeps_the_pin(ti
     home = tmp_path / "hf"
     folder = write_job(tmp_path / "job", tiny, home, name="prepared").parent
     script = STAND_IN_HUB_PREPARE.format(repo=str(Path(__file__).parents[2]), model=str(tiny / "model"))
-    env = clean_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")  # the tokenizer is read from what was staged
+    env = clean_env(HF_HOME=str(home))
 
     def prepare(hub_main: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", script, hub_main], cwd=folder, env=env, capture_output=True,
-                              text=True, timeout=300)
+        # The hub's answers from a stand-in (tests.hub_stand_in); the tokenizer is read from what was staged.
+        with HubStandIn({MODEL: {"model_type": "llama"}}) as hub:
+            return subprocess.run([sys.executable, "-c", script, hub_main], cwd=folder, env={**env, "HF_ENDPOINT": hub.url},
+                                  capture_output=True, text=True, timeout=300)
 
     run_dir = folder / "runs" / "prepared"
     first = prepare(COMMIT)
