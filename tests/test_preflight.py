@@ -313,6 +313,7 @@ def test_where_the_hub_cannot_be_reached_validate_says_what_was_not_checked(tmp_
     result = jobgen("validate", str(job_file(tmp_path, model="Qwen/Qwen-14B-Chatt")), cwd=tmp_path,
                     env={"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"})
     assert result.returncode == 0, result.stderr
-    assert ("jobgen: warning: training.model: the hub (http://127.0.0.1:9) cannot be reached from here (Connection "
-            "refused), so the name Qwen/Qwen-14B-Chatt, its revision main and its config (model type, its own code and "
-            "trust_remote_code) were not checked\n") in result.stderr
+    assert (f"jobgen: warning: training.model: Qwen/Qwen-14B-Chatt is not in the cache the nodes use (HF_HOME={tmp_path / 'hf'}): "
+            "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it; the hub "
+            "(http://127.0.0.1:9) cannot be reached from here (Connection refused), so its name, revision and config "
+            "(model type, its own code and trust_remote_code) were not checked\n") in result.stderr

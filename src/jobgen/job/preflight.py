@@ -219,16 +219,16 @@ def _check_hub_model(job: Job, warnings: list[str]) -> Optional[str]:
 
     training = job.training
     cached = look_up(training.model, training.model_revision, job_cache(job.environment.variables))
-    if cached.problem():
-        warnings.append(cached.problem())
+    problem = cached.problem()
     if cached.staged:
+        warnings += [problem] if problem else []
         return _check_model_config(job, training.model)  # its config in the nodes' cache
     answer = ask_hub(training.model, training.model_revision)
-    if answer.unreachable:
-        warnings.append(f"training.model: {unreachable_words(answer)}, so the name {training.model}, its revision "
-                        f"{training.model_revision} and its config (model type, its own code and "
-                        "trust_remote_code) were not checked")
+    if answer.unreachable:  # one line: what is missing, and what could not be checked for it
+        warnings.append(f"{problem}; {unreachable_words(answer)}, so its name, revision and config (model type, "
+                        "its own code and trust_remote_code) were not checked")
         return None
+    warnings.append(problem)
     refusal = hub_refusal(answer)
     if refusal or answer.config is None:
         return refusal
