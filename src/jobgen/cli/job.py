@@ -14,6 +14,7 @@ from jobgen.cli.options import (
     check_files,
     checked_scheduler_option,
     config_argument,
+    deepspeed_findings,
     resolve,
     resolve_sweep,
     scheduler_for,
@@ -55,7 +56,7 @@ def render(
             f"{scheduler} runs a sweep as one job per point, not one script: render a point with --set "
             f"(e.g. --set {sweep.keys[0]}=...), or submit the sweep with jobgen submit --sweep"
         )
-    for warning in chosen.warnings(resolved.job):
+    for warning in chosen.warnings(resolved.job) + deepspeed_findings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
     if sweep is not None:
         script = render_array(points, sweep.max_running, scheduler, template_dirs)

@@ -157,6 +157,26 @@ def scheduler_for(option: Optional[str], resolved) -> str:
     )
 
 
+def deepspeed_findings(job) -> list[str]:
+    """render's reading of training.deepspeed_config, where that file is here: what validate
+    would refuse, and its notices, as warnings (render checks no other file: a script may be
+    rendered for another machine, but a DeepSpeed JSON the trainer refuses is the same anywhere)."""
+    import os
+
+    from jobgen.errors import UserError
+    from jobgen.job.preflight import working_directory
+    from jobgen.rundir.model_pin import at_its_pin
+    from jobgen.train.dsconfig import check_job_deepspeed
+
+    path = job.training.deepspeed_config
+    if not path or job.launch.entrypoint == "jobgen-probe" or not os.path.isfile(os.path.join(working_directory(job), path)):
+        return []
+    try:
+        return check_job_deepspeed(at_its_pin(job), working_directory(job))
+    except UserError as error:
+        return str(error).splitlines()
+
+
 def check_files(job) -> None:
     """validate and submit, not render: a script may be rendered for a machine this is not."""
     from jobgen.job.preflight import check_job_files, working_directory

@@ -13,6 +13,7 @@
     model_reference.py  training.model: a local folder or a hub name
     model_config.py     what the model's config.json says about loading it (quantization, custom code)
     hub_cache.py        a hub model in the Hugging Face cache the nodes use; hub_stage.py: staging it there
+    hub_api.py          the hub itself, asked once with a short timeout: a model's name, revision and config
     preflight.py        what the login node can check of the job's files before the queue
 
 Imports only the shared modules below the parts (jobgen.errors, files, resources, plugins);

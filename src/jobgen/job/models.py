@@ -574,7 +574,8 @@ class Training(_Strict):
         None,
         description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
         "values are filled from the job as the Trainer fills them, other values must agree with the job, and a "
-        "'scheduler' section of 'auto' values gives way to lr_schedule",
+        "'scheduler' section of 'auto' values runs as the Hugging Face Trainer runs it (WarmupLR: constant after the "
+        "warmup, WarmupDecayLR: linear, WarmupCosineLR: cosine) in place of lr_schedule",
     )
 
     @model_validator(mode="after")

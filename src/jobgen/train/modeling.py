@@ -16,6 +16,7 @@ import sys
 from typing import Any, Optional
 
 from jobgen.job import hub_cache
+from jobgen.job.hub_api import check_downloadable
 from jobgen.job.models import Training
 from jobgen.errors import UserError
 
@@ -52,19 +53,27 @@ def use_hub_cache(model: str, revision: str) -> Optional[hub_cache.CachedModel]:
     if not cached.staged and _offline():
         raise UserError(cached.problem(offline=_offline()))
     if not cached.staged:
+        # Asked once, so a node that cannot reach the hub says so at once, not after a minute of retries.
+        check_downloadable(cached, f"stage it into the nodes' cache with {hub_cache.FIX.removeprefix('run ')}")
         log.info("training.model %s is not in this node's cache (%s): each node downloads it from the hub",
                  cached.at(), cached.cache.chosen_by)
         return cached
     if cached.missing:
         raise UserError(cached.problem())
+    go_offline()
+    log.info("training.model %s: commit %s from the cache (%s); HF_HUB_OFFLINE=%s", cached.at(), cached.commit,
+             cached.cache.chosen_by, os.environ.get("HF_HUB_OFFLINE", ""))
+    return cached
+
+
+def go_offline() -> None:
+    """HF_HUB_OFFLINE=1 for what this process loads from the cache, unless the job or the user set
+    it: a staged model loads without asking the hub for each file."""
     if not hub_cache.user_set_offline(os.environ):
         os.environ["HF_HUB_OFFLINE"] = "1"
         constants = sys.modules.get("huggingface_hub.constants")
         if constants is not None:  # read at its import: set it there too
             constants.HF_HUB_OFFLINE = True
-    log.info("training.model %s: commit %s from the cache (%s); HF_HUB_OFFLINE=%s", cached.at(), cached.commit,
-             cached.cache.chosen_by, os.environ.get("HF_HUB_OFFLINE", ""))
-    return cached
 
 
 def load_tokenizer(model: str, revision: str = hub_cache.DEFAULT_REVISION, trust_remote_code: bool = False) -> Any:

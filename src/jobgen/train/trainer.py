@@ -123,7 +123,7 @@ class Trainer:
             )
             self.p.ds_config = build_config(
                 t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation,
-                model_hidden_size(t.model, t.model_revision),
+                **model_hidden_size(t.model, t.model_revision),
             )
             notice = compiled_op_notice(self.p.ds_config, t.deepspeed_config or "the bundled config")
             if notice and dist.is_main:
