@@ -19,6 +19,10 @@ CASES = {
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lr: 2.0e-4, lora: {lora_alpha: 16}}\n",
         "unknown key 'training.lr' (did you mean 'learning_rate'?)",
     ),
+    "the Hugging Face Trainer's name for Liger": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, use_liger_kernel: true}\n",
+        "unknown key 'training.use_liger_kernel' (did you mean 'liger_kernel'?)",
+    ),
     "another tool's name one level down": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lora: {lora_alpha: 16}}\n",
         "unknown key 'training.lora.lora_alpha' (did you mean 'alpha'?)",

@@ -452,6 +452,8 @@ class Training(_Strict):
         "eval_steps": "eval_interval", "bf16": "precision", "fp16": "precision", "deepspeed": "deepspeed_config",
         "finetuning_type": "method", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
         "lora_target": "lora.target_modules", "lora_target_modules": "lora.target_modules",
+        "use_liger_kernel": "liger_kernel", "enable_liger_kernel": "liger_kernel", "attn_implementation": "attention",
+        "flash_attn": "attention", "flash_attention": "attention",
     }
 
     model: str = Field(..., description="local path or hub name of a causal LM")
