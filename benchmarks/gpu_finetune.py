@@ -18,6 +18,10 @@ metrics.jsonl and logs. Runs:
   full-1b         full fine-tune, bf16, ZeRO-2, 1B shape, gradient checkpointing; checkpoints,
                   then resumed for a few steps (checkpoint load time)
   plain-lora      the plain loop (peft + torch.autocast + fused AdamW), 8B shape, as `lora`
+  nemo-*          NVIDIA NeMo AutoModel's published Llama-3-8B LoRA shape (r 16, alpha 32, every
+                  projection, sequence 4096, micro-batch 2, accumulation 16, bf16): `nemo-plain` the
+                  plain loop, `nemo-jobgen` jobgen with packing, `-liger` with Liger's kernels
+                  (training.liger_kernel), `-nodrop` with LoRA dropout 0; run with --sequence 4096
 
 Throughput = input tokens / wall time of a step, median over the steps after the first 3.
 MFU counts 6 N + 12 L h s FLOPs per token (N parameters, L layers, h hidden, s sequence) against
@@ -41,8 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-SEQUENCE = 2048
-WARMUP_STEPS = 3
+SEQUENCE = 2048  # --sequence
+WARMUP_STEPS = 3  # --warmup: steps left out of the medians
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
@@ -61,6 +65,7 @@ VARIANTS = ("plain", "plain-chunked", "ds", "ds-nooverlap", "ds-chunked", "ds-no
 
 
 def main() -> int:
+    global SEQUENCE, WARMUP_STEPS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--work", type=Path, default=Path("/tmp/jobgen-gpu"))
@@ -70,7 +75,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (lora and plain-lora)")
     parser.add_argument("--variant", default="plain", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--sequence", type=int, default=SEQUENCE, help="tokens per sequence (every one full)")
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="first steps left out of the medians")
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (plain loop)")
+    parser.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lora-dropout", type=float, default=LORA["dropout"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SEQUENCE, WARMUP_STEPS = args.sequence, args.warmup
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plain:
         return plain_loop(args)
@@ -93,9 +104,10 @@ def conversations(count: int, words: int, seed: int = 0) -> list[dict]:
 
 
 def build_data(work: Path) -> str:
-    data = work / "data.json"
+    """Conversations longer than a sequence (about a token a word or more), so every row is full."""
+    data = work / f"data-{SEQUENCE}.json"
     if not data.exists():
-        data.write_text(json.dumps(conversations(96, 2000)))
+        data.write_text(json.dumps(conversations(160 if SEQUENCE > 2048 else 96, max(2000, SEQUENCE + 100))))
     return str(data)
 
 
@@ -154,6 +166,21 @@ class Bench:
             ("full-1b", lambda: self.full_with_resume("full-1b", steps)),
             ("lora-gc", lambda: self.stop_and_resume("lora-gc", "8b", steps + 10, stop_at=steps // 2)),
         ] + [(f"variant-{v}", lambda v=v: self.plain(f"variant-{v}", "8b", 20, gc=False, variant=v)) for v in VARIANTS]
+        # NeMo AutoModel's published shape; `steps` counts optimizer steps of 16 micro-batches here.
+        nemo = dict(per_device_batch_size=2, gradient_accumulation=16, packing=True)
+        runs += [
+            ("nemo-plain", lambda: self.plain("nemo-plain", "8b", steps, gc=False, batch=2, accumulation=16)),
+            ("nemo-jobgen", lambda: self.train("nemo-jobgen", "8b", "lora", steps, gc=False, **nemo)),
+            ("nemo-jobgen-liger", lambda: self.train("nemo-jobgen-liger", "8b", "lora", steps, gc=False, liger_kernel=True, **nemo)),
+            ("cuda-checks", lambda: self.cuda_checks("cuda-checks")),
+            ("nemo-plain-liger", lambda: self.plain("nemo-plain-liger", "8b", steps, gc=False, batch=2, accumulation=16, liger=True)),
+            ("nemo-plain-liger-nodrop", lambda: self.plain("nemo-plain-liger-nodrop", "8b", steps, gc=False, batch=2,
+                                                           accumulation=16, liger=True, lora_dropout=0.0)),
+            ("nemo-jobgen-nodrop", lambda: self.train("nemo-jobgen-nodrop", "8b", "lora", steps, gc=False,
+                                                      lora={**LORA, "dropout": 0.0}, **nemo)),
+            ("nemo-jobgen-liger-nodrop", lambda: self.train("nemo-jobgen-liger-nodrop", "8b", "lora", steps, gc=False,
+                                                            liger_kernel=True, lora={**LORA, "dropout": 0.0}, **nemo)),
+        ]
         failed = 0
         for name, run in runs:
             if not self.wanted(name):
@@ -186,6 +213,7 @@ class Bench:
                 "max_length": SEQUENCE, "max_steps": steps, "save_interval": 100000, "logging_interval": 1,
                 "lr_schedule": "constant", "learning_rate": 1e-4 if method != "full" else 1e-5,
                 "gradient_checkpointing": gc, "lora": LORA, **training,
+                **({"liger_kernel": False} if smoke else {}),  # Liger needs a GPU: the smoke run checks the rest
             },
             "requeue": {"enabled": False},
         }
@@ -240,6 +268,34 @@ class Bench:
         result["first_segment"] = first
         return result
 
+    def cuda_checks(self, name: str) -> dict:
+        """The CUDA paths the CPU tests cannot reach, in one short run of the 1B shape: LoRA under
+        ZeRO-3 (the dtype it trains in), evaluation, background saves (their CUDA snapshot), the
+        adapter-only final save and the health gate's matmul figure."""
+        job = self.job(name, "1b", "lora", 4, gc=True, zero_stage=3, eval_fraction=0.05, eval_interval=2,
+                       save_interval=2, async_save=True, max_length=min(SEQUENCE, 2048))
+        import yaml
+
+        spec = yaml.safe_load(job.read_text())
+        spec["launch"]["health_check"] = True
+        job.write_text(yaml.safe_dump(spec, sort_keys=False))
+        self.submit(job, name)
+        run_dir = self.run_dir(name)
+        logs = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+        (self.out / f"{name}-logs.txt").write_text(logs[-200_000:])
+        final = run_dir / "output" / "final"
+        lines = [json.loads(l) for l in (run_dir / "output" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        health = run_dir / "health.json"
+        return {
+            "exit": exit_report(run_dir),
+            "dtypes": re.findall(r"trainable parameters in (\S+)", logs),
+            "final_files": {p.name: p.stat().st_size for p in final.iterdir()} if final.is_dir() else None,
+            "eval_losses": {l["step"]: l.get("eval_loss") for l in lines if "eval_loss" in l},
+            "checkpoints": sorted(p.name for p in (run_dir / "output" / "checkpoints").glob("step-*")),
+            "health": json.loads(health.read_text()) if health.exists() else None,
+            **log_figures(run_dir),
+        }
+
     def full_with_resume(self, name: str, steps: int) -> dict:
         job = self.job(name, "1b", "full", steps, gc=True, save_interval=max(steps // 2, 2))
         self.submit(job, f"{name}-1")
@@ -253,9 +309,13 @@ class Bench:
         shutil.rmtree(self.run_dir(name) / "output" / "checkpoints", ignore_errors=True)
         return result
 
-    def plain(self, name: str, shape: str, steps: int, gc: bool, variant: str = "plain") -> dict:
+    def plain(self, name: str, shape: str, steps: int, gc: bool, variant: str = "plain", batch: int | None = None,
+              accumulation: int = 1, liger: bool = False, lora_dropout: float = LORA["dropout"]) -> dict:
         command = [sys.executable, __file__, "--out", str(self.out / name), "--plain", self.model(shape), self.data,
-                   "--steps", str(steps), "--variant", variant, "--batch", str(self.args.batch)] + (["--smoke"] if self.smoke else [])
+                   "--steps", str(steps), "--variant", variant, "--batch", str(batch or self.args.batch),
+                   "--accumulation", str(accumulation), "--sequence", str(SEQUENCE), "--warmup", str(WARMUP_STEPS)]
+        command += (["--smoke"] if self.smoke else []) + (["--liger"] if liger and not self.smoke else [])
+        command += ["--lora-dropout", str(lora_dropout)]
         with open(self.out / f"{name}.log", "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1500, check=True)
         result = json.loads((self.out / name / "plain.json").read_text())
@@ -265,6 +325,7 @@ class Bench:
     def figures(self, name: str, shape: str, method: str) -> dict:
         run_dir = self.run_dir(name)
         lines = [json.loads(l) for l in (run_dir / "output" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        lines = [l for l in lines if "tokens_per_s" in l]  # not the evaluation-only lines
         measured = [l["tokens_per_s"] for l in lines[WARMUP_STEPS:]] or [l["tokens_per_s"] for l in lines]
         result = {
             "exit": exit_report(run_dir),
@@ -367,7 +428,12 @@ def plain_loop(args: argparse.Namespace) -> int:
     dataset = TokenizedDataset(load_conversations(data), ChatTokenizer(tokenizer, SEQUENCE), tokenizer.pad_token_id)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
     model.config.use_cache = False
-    lora = Lora(**LORA)
+    if args.liger:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+    lora = Lora(**{**LORA, "dropout": args.lora_dropout})
     model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                              target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -396,36 +462,43 @@ def plain_loop(args: argparse.Namespace) -> int:
     model.train()
     times, losses, tokens = [], [], []
     profiler = None
+    micro_steps = 0
     for step in range(args.steps):
         if variant == "ds-profile" and step == 8:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-        batch = {k: v.to(device) for k, v in dataset.collate(range(step * args.batch, (step + 1) * args.batch)).items()}
-        started = time.perf_counter()
-        if variant.startswith("ds"):
-            loss = _loss(engine, batch, chunked=variant.endswith("chunked"))
-            engine.backward(loss)
-            engine.step()
-        else:
-            with torch.autocast(device.type, dtype=dtype, enabled=not args.smoke):
-                loss = _loss(model, batch, chunked=variant.endswith("chunked"))
-            loss.backward()
+        started, step_tokens = time.perf_counter(), 0
+        for _ in range(args.accumulation):
+            rows = range(micro_steps * args.batch, (micro_steps + 1) * args.batch)
+            batch = {k: v.to(device) for k, v in dataset.collate([r % len(dataset) for r in rows]).items()}
+            micro_steps += 1
+            if variant.startswith("ds"):
+                loss = _loss(engine, batch, chunked=variant.endswith("chunked"))
+                engine.backward(loss)
+                engine.step()
+            else:
+                with torch.autocast(device.type, dtype=dtype, enabled=not args.smoke):
+                    loss = _loss(model, batch, chunked=variant.endswith("chunked"))
+                (loss / args.accumulation).backward()
+            step_tokens += int(batch["attention_mask"].sum())
+        if not variant.startswith("ds"):
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # synchronises, as jobgen's per-step collective does
         times.append(time.perf_counter() - started)
-        tokens.append(int(batch["attention_mask"].sum()))
+        tokens.append(step_tokens)
         if profiler is not None and step == 10:
             profiler.__exit__(None, None, None)
             averages = profiler.key_averages()
             report = [averages.table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", "self_device_time_total")]
             (args.out / "profile.txt").write_text("\n\n".join(report))
             profiler = None
-    rates = [n / t for n, t in zip(tokens[WARMUP_STEPS:], times[WARMUP_STEPS:])]
+    rates = [n / t for n, t in zip(tokens[WARMUP_STEPS:], times[WARMUP_STEPS:])] or [n / t for n, t in zip(tokens, times)]
     result = {
-        "variant": variant, "steps": args.steps, "tokens_per_s": statistics.median(rates),
-        "step_seconds_median": statistics.median(times[WARMUP_STEPS:]),
+        "variant": variant, "steps": args.steps, "tokens_per_s": statistics.median(rates), "liger": args.liger,
+        "micro_batch": args.batch, "accumulation": args.accumulation, "sequence": SEQUENCE, "lora_dropout": args.lora_dropout,
+        "step_seconds_median": statistics.median(times[WARMUP_STEPS:] or times),
         "loss": {i + 1: round(l, 5) for i, l in enumerate(losses)},
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if not args.smoke else None,
         "peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if not args.smoke else None,

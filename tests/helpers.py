@@ -21,11 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
 
 
-def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
+           timeout: float | None = None) -> subprocess.CompletedProcess:
     """The installed `jobgen` command, exactly as a user runs it."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "jobgen.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, check=check
+        [sys.executable, "-m", "jobgen.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, check=check,
+        timeout=timeout,
     )
 
 

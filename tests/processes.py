@@ -51,3 +51,17 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def with_environment(name: str, value: str) -> list[int]:
+    """This machine's processes whose environment has name=value: a local job's, by its
+    JOBGEN_JOB_ID, which its script, nodes and ranks all inherit."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for pid in process_table():
+        try:
+            if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found

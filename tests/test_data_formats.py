@@ -7,6 +7,8 @@ them all (up to a count), the trainer's reader stops at the first."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -370,3 +372,38 @@ def test_tool_calls_results_and_definitions_are_read_in_openai_and_llama_factory
     plain = {"messages": [{"role": "user", "content": "q", "tool_calls": None}, {"role": "assistant", "content": "a", "tool_calls": []}]}
     [read] = load_conversations(write(tmp_path, [plain], "plain.json"))
     assert not read.uses_tools and read.messages() == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_a_file_saved_with_a_byte_order_mark_reads_as_without_it(tmp_path: Path) -> None:
+    # Windows editors (and pandas' to_json there) start a UTF-8 file with U+FEFF; it read as bad JSONL.
+    for name in ("data.json", "data.jsonl"):
+        plain = write(tmp_path, SHAREGPT, name)
+        marked = tmp_path / f"bom-{name}"
+        marked.write_bytes(b"\xef\xbb\xbf" + Path(plain).read_bytes())
+        assert load_conversations(str(marked)) == load_conversations(plain)
+        result = jobgen("validate", str(job_file(tmp_path, data=marked.name)), cwd=tmp_path)
+        assert result.returncode == 0 and ": ok: " in result.stdout and "3 steps" in result.stdout, result.stderr
+
+
+def test_a_csv_file_is_refused_naming_the_formats_read_and_a_conversion_that_works(tmp_path: Path) -> None:
+    import shlex
+
+    table = tmp_path / "alpaca.csv"
+    table.write_text("instruction,output\n" + "".join(f"{item['instruction']},{item['output']}\n" for item in ALPACA))
+    result = jobgen("validate", str(job_file(tmp_path, data="alpaca.csv")), cwd=tmp_path)
+    formats = ("jobgen reads JSON (an array of records), JSONL (a record a line), Parquet (.parquet) and a folder "
+               "written by datasets' save_to_disk")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = errors_of(result)
+    assert line.startswith(f"jobgen: error: training.data: '{table}' is a CSV file, which jobgen does not read; {formats}: "
+                           "convert it, e.g. python -c ")
+    # The conversion it names makes a Parquet file of the same records, which the job reads.
+    command = shlex.split(line.split("e.g. ", 1)[1])
+    subprocess.run([sys.executable, *command[1:]], check=True)
+    result = jobgen("validate", str(job_file(tmp_path, data="alpaca.parquet")), cwd=tmp_path)
+    assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
+    # A file of another name that is not JSON says the same of the formats, not "bad JSONL" alone.
+    (tmp_path / "data.txt").write_text("instruction,output\nhi,hello\n")
+    result = jobgen("validate", str(job_file(tmp_path, data="data.txt")), cwd=tmp_path)
+    assert errors_of(result) == [f"jobgen: error: {tmp_path / 'data.txt'}: line 1 is not valid JSON (Expecting value), "
+                                 f"so the file is neither a JSON array nor JSONL (one object per line); {formats}"]

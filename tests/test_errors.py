@@ -15,6 +15,18 @@ CASES = {
         "resources: {gpu_per_node: 4}\n" + BASE,
         "unknown key 'resources.gpu_per_node' (did you mean 'gpus_per_node'?)",
     ),
+    "another tool's name for a field suggests the field, not the closest spelling": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lr: 2.0e-4, lora: {lora_alpha: 16}}\n",
+        "unknown key 'training.lr' (did you mean 'learning_rate'?)",
+    ),
+    "the Hugging Face Trainer's name for Liger": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, use_liger_kernel: true}\n",
+        "unknown key 'training.use_liger_kernel' (did you mean 'liger_kernel'?)",
+    ),
+    "another tool's name one level down": (
+        "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, lora: {lora_alpha: 16}}\n",
+        "unknown key 'training.lora.lora_alpha' (did you mean 'alpha'?)",
+    ),
     "wrong choice suggests the closest": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlor}\n",
         "'training.method' is 'qlor': Input should be 'full', 'lora' or 'qlora' (did you mean 'qlora'?)",
@@ -55,6 +67,18 @@ CASES = {
         "launch: {procs_per_node: 1, ssh_options: [-i]}\ntraining: {model: m, data: d}\n",
         "ssh option -i needs a value after it",
     ),
+    "a key given twice: the second would silently win": (
+        "launch: {procs_per_node: 1}\ntraining:\n  model: m\n  data: d\n  epochs: 12\n  epochs: 3\n",
+        "job.yaml: key 'training.epochs' is given twice, at line 5 and line 6; YAML would keep only the second: keep one",
+    ),
+    "a section given twice: the second would drop every value of the first": (
+        "training:\n  model: m\n  data: d\nlaunch: {procs_per_node: 1}\ntraining:\n  epochs: 3\n",
+        "key 'training' is given twice, at line 1 and line 5",
+    ),
+    "a key given twice deeper down": (
+        BASE + "environment:\n  variables:\n    HF_HOME: /a\n    HF_HOME: /b\n",
+        "key 'environment.variables.HF_HOME' is given twice, at line 5 and line 6",
+    ),
     "qlora with zero 3": (
         "launch: {procs_per_node: 1}\ntraining: {model: m, data: d, method: qlora, zero_stage: 3}\n",
         "qlora does not work with training.zero_stage 3",
@@ -90,12 +114,52 @@ def test_bad_command_line_values_fail_clearly(tmp_path: Path, args: list[str], m
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_bad_value_given_with_set_is_blamed_on_the_set_not_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("resources: {nodes: 2}\n" + BASE)
+    result = jobgen("validate", str(config), "--set", "resources.nodes=three", "--set", "training.lr=1e-4")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "jobgen: error: --set 'resources.nodes=three': 'resources.nodes' is 'three': expected a node count (4) or, "
+        "on Slurm, a range MIN-MAX (\"2-4\")",
+        "jobgen: error: --set 'training.lr=1e-4': unknown key 'training.lr' (did you mean 'learning_rate'?); known keys "
+        "here: " + result.stderr.split("known keys here: ")[1].splitlines()[0],
+    ]
+    config.write_text("resources: {nodes: three}\n" + BASE)  # the file's own mistake still names the file
+    assert f"jobgen: error: {config}: 'resources.nodes' is 'three'" in jobgen("validate", str(config)).stderr
+
+
 def test_a_time_given_with_set_is_the_time_not_its_base_60_number(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(BASE)
     result = jobgen("render", "-s", "slurm", str(config), "--set", "resources.time_limit=24:00:00")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --time=1-00:00:00" in result.stdout
+
+
+def test_a_value_given_to_set_with_a_key_twice_is_refused_naming_set(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE)
+    result = jobgen("render", "-s", "slurm", str(config), "--set", "training.lora={r: 8, r: 16}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "jobgen: error: --set 'training.lora={r: 8, r: 16}': key 'r' is given twice; YAML would keep only the second: keep one"
+    )
+
+
+def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(BASE.replace("training: {model: m, data: d}", "training:\n  model: m\n  data: d\n  lora:\n    <<: {r: 8, alpha: 16}\n    r: 4\n"))
+    result = jobgen("render", "-s", "slurm", str(config))
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_folder_given_as_the_job_is_one_line_naming_its_yaml_files(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(BASE)
+    for command in ("validate", "render", "submit", "prepare", "data"):
+        result = jobgen(command, str(tmp_path))
+        assert result.returncode == 2 and result.stdout == "", command
+        assert result.stderr == f"jobgen: error: {tmp_path}: is a folder, not a YAML file; give the file (job.yaml here)\n"
 
 
 def test_missing_file_and_unknown_scheduler() -> None:

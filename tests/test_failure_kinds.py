@@ -81,3 +81,11 @@ def test_a_slurm_job_that_cannot_be_placed_without_its_excluded_nodes_says_so(tm
     assert "jobgen: not requeued: the job needs 2 nodes but partition debug has " in log
     assert "usable ones left after excluding node1,node2,node3" in log
     assert not (run_dir / "job.slurm-continuation.sh").exists()
+
+
+def test_a_probe_that_completes_says_what_it_found_not_a_training_step(tmp_path: Path) -> None:
+    run_dir, output = run_local(tmp_path, [])
+    assert outcomes(run_dir) == ["completed"], output
+    assert "training completed" not in output
+    found = json.loads((run_dir / "trainer-exit.json").read_text())["message"]
+    assert f"jobgen: probe completed: {found}\n" in output, output

@@ -70,3 +70,17 @@ def test_plot_without_matplotlib_says_how_to_install_it_in_one_line(stopped_and_
     assert result.returncode == 2
     assert result.stderr == "jobgen: error: jobgen plot needs matplotlib: pip install 'jobgen[plot]' (or pip install matplotlib)\n"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_writes_its_files_as_render_does(stopped_and_resumed_run, tmp_path) -> None:
+    """-o and --data go through the one writer every -o uses (jobgen.files.write_output): a
+    symlink's target is written and the link kept; a folder is one line, not a usage text."""
+    (tmp_path / "pictures").mkdir()
+    link = tmp_path / "run.png"
+    link.symlink_to("pictures/run.png")
+    result = jobgen("plot", str(stopped_and_resumed_run.run_dir), "-o", str(link))
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and (tmp_path / "pictures" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = jobgen("plot", str(stopped_and_resumed_run.run_dir), "-o", str(tmp_path / "pictures"))
+    assert result.returncode == 2
+    assert result.stderr == f"jobgen: error: cannot write {tmp_path / 'pictures'}: it is a folder; name a file in it\n"

@@ -125,6 +125,28 @@ def test_a_local_model_folder_must_exist_and_hold_config_json(tmp_path: Path) ->
         assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
 
 
+def test_max_length_above_the_models_positions_is_refused_naming_both_numbers(tmp_path: Path) -> None:
+    write_conversations(tmp_path / "data.json")
+    model = tmp_path / "models" / "small"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 4096}')
+    result = jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=32768)), cwd=tmp_path)
+    assert result.returncode == 2 and errors_of(result) == [
+        f"jobgen: error: training.max_length 32768 is above the 4096 positions {model} has (max_position_embeddings "
+        f"in {model}/config.json): rows that long index past its position table or run on positions it never "
+        "trained; lower training.max_length to 4096 or less"
+    ]
+    assert jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=4096)), cwd=tmp_path).returncode == 0
+    # A RoPE scaling's factor stretches the positions (Qwen2.5's YaRN: 32768 x 4).
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }))
+    assert jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=131072)), cwd=tmp_path).returncode == 0
+    result = jobgen("validate", str(job_file(tmp_path, model="models/small", max_length=262144)), cwd=tmp_path)
+    assert "is above the 131072 positions" in result.stderr and "(max_position_embeddings x rope_scaling.factor in" in result.stderr
+
+
 def test_records_with_tools_are_refused_before_the_queue_where_the_job_trains_in_chatml(tmp_path: Path) -> None:
     # The trainer refuses them at its start (tests/train/test_tool_calls.py); validate says the same
     # line where the files tell the layout: ChatML set, or a model whose tokenizer has no template.
@@ -267,3 +289,53 @@ def test_any_path_is_checked_warned_about_or_refused_in_one_line_each(tmp_path_f
         assert 1 <= len(lines) <= 2 and all(line.startswith(("training.", "/")) for line in lines), lines
     else:
         assert all("\n" not in warning and warning.startswith("training.") for warning in warnings)
+
+
+# Configs as the hub serves them: one transformers builds, one that runs its own code.
+QWEN2_CONFIG = {"model_type": "qwen2", "hidden_size": 64, "architectures": ["Qwen2ForCausalLM"]}
+QWEN_CONFIG = {"model_type": "qwen", "hidden_size": 64, "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
+                                                                     "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"}}
+
+
+def test_a_hub_model_not_cached_is_checked_on_the_hub_where_it_is_reachable(tmp_path: Path) -> None:
+    # A stand-in for the hub (tests.hub_stand_in), answering as the hub does: the real one is not reachable here.
+    from tests.hub_stand_in import HubStandIn
+
+    write_conversations(tmp_path / "data.json")
+    env = {"HF_HOME": str(tmp_path / "hf")}  # empty: the model is not cached, so only the hub can tell
+    with HubStandIn({"Qwen/Qwen-14B-Chat": QWEN_CONFIG, "Qwen/Qwen2.5-7B-Instruct": QWEN2_CONFIG}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        for command in (["validate"], ["submit", "-s", "slurm", "--dry-run"]):
+            result = jobgen(*command, str(job_file(tmp_path, model="Qwen/Qwen-14B-Chatt")), cwd=tmp_path, env=env)
+            assert result.returncode == 2 and result.stdout == "", result.stderr
+            assert errors_of(result) == [
+                f"jobgen: error: training.model: 'Qwen/Qwen-14B-Chatt' is not a model on the hub ({hub.url}) (did you "
+                "mean 'Qwen/Qwen-14B-Chat'?); check its name, or, for a private model, give a token with access to it "
+                "(HF_TOKEN, or `hf auth login`)"]
+        result = jobgen("validate", str(job_file(tmp_path, model="Qwen/Qwen-14B-Chat")), cwd=tmp_path, env=env)
+        assert result.returncode == 2
+        assert errors_of(result) == [
+            "jobgen: error: training.model: Qwen/Qwen-14B-Chat runs its own code (configuration_qwen.py, modeling_qwen.py "
+            "in config.json's 'auto_map'); set training.trust_remote_code: true to run it on every node, or use a model "
+            "transformers supports"]
+        result = jobgen("validate", str(job_file(tmp_path, model="Qwen/Qwen2.5-7B-Instruct", model_revision="v9")),
+                        cwd=tmp_path, env=env)
+        assert errors_of(result) == [
+            f"jobgen: error: training.model_revision: 'v9' is not a branch, tag or commit of Qwen/Qwen2.5-7B-Instruct on "
+            f"the hub ({hub.url}); give one of its branches (main), tags or commits"]
+        for model, more in (("Qwen/Qwen-14B-Chat", {"trust_remote_code": True}), ("Qwen/Qwen2.5-7B-Instruct", {})):
+            result = jobgen("validate", str(job_file(tmp_path, model=model, **more)), cwd=tmp_path, env=env)
+            assert result.returncode == 0 and ": ok: " in result.stdout, result.stderr
+            assert "is not in the cache the nodes use" in result.stderr and "not checked" not in result.stderr
+        assert f"/api/models/Qwen/Qwen2.5-7B-Instruct/revision/main" in hub.requests
+
+
+def test_where_the_hub_cannot_be_reached_validate_says_what_was_not_checked(tmp_path: Path) -> None:
+    write_conversations(tmp_path / "data.json")
+    result = jobgen("validate", str(job_file(tmp_path, model="Qwen/Qwen-14B-Chatt")), cwd=tmp_path,
+                    env={"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    assert (f"jobgen: warning: training.model: Qwen/Qwen-14B-Chatt is not in the cache the nodes use (HF_HOME={tmp_path / 'hf'}): "
+            "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it; the hub "
+            "(http://127.0.0.1:9) cannot be reached from here (Connection refused), so its name, revision and config "
+            "(model type, its own code and trust_remote_code) were not checked\n") in result.stderr

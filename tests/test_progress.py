@@ -30,6 +30,8 @@ def test_on_a_terminal_the_progress_is_one_line_redrawn_in_place(stopped_and_res
     assert int(PROGRESS.search(progress[0]).group(1)) >= STOP_AFTER_STEP
     assert not any("INFO step" in line for line in shown)  # the trainer's step lines do not scroll past
     assert any("asking every rank to checkpoint" in line for line in shown), shown  # Ctrl-C's effect, told
+    # jobgen's own lines (here: the stop it was sent) are printed above the progress line too.
+    assert any(line == "jobgen: SIGINT: stopping the job; waiting for its checkpoint" for line in shown), shown
 
 
 def test_in_a_pipe_submit_and_logs_follow_print_plain_progress_lines(stopped_and_resumed_run) -> None:

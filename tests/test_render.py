@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
@@ -271,3 +272,31 @@ def test_two_local_jobs_started_in_the_same_second_get_different_master_ports(tm
     now = 1795544591
     ports = {port(local_job_id(now, pid)) for pid in (4242, 4243, 31337)}
     assert len(ports) == 3 and all(20000 <= p < 40000 for p in ports), ports
+
+
+def test_names_in_other_scripts_keep_two_jobs_apart_and_say_how_they_are_written(tmp_path: Path) -> None:
+    written = {}
+    for name in ("训练-qwen", "微调-qwen", "微调", "modèle"):
+        config = write_job(tmp_path / "job.yaml", {**cpu_job(), "name": name})
+        result = jobgen("render", "-s", "slurm", str(config))
+        assert result.returncode == 0, result.stderr
+        [job_name] = re.findall(r"^#SBATCH --job-name=(.*)$", result.stdout, re.M)
+        [run_dir] = re.findall(r"^JOBGEN_RUN_DIR=\$\(realpath -m (.*)\)$", result.stdout, re.M)
+        assert run_dir == f"runs/{job_name}"
+        assert f"jobgen: warning: name '{name}' is written '{job_name}' for the scheduler's job name and the run " \
+               f"directory runs/{job_name}" in result.stderr
+        written[name] = job_name
+    assert re.fullmatch(r"qwen-[0-9a-f]{6}", written["训练-qwen"]) and re.fullmatch(r"qwen-[0-9a-f]{6}", written["微调-qwen"])
+    assert written["训练-qwen"] != written["微调-qwen"]
+    assert re.fullmatch(r"job-[0-9a-f]{6}", written["微调"]) and re.fullmatch(r"modele-[0-9a-f]{6}", written["modèle"])
+    again = jobgen("render", "-s", "slurm", str(write_job(tmp_path / "job.yaml", {**cpu_job(), "name": "modèle"})))
+    assert f"--job-name={written['modèle']}\n" in again.stdout  # the same name, the same run directory every time
+    for command in (["validate"], ["submit", "-s", "slurm", "--dry-run"]):  # each says it too, in one line
+        said = jobgen(*command, str(tmp_path / "job.yaml")).stderr
+        assert f"jobgen: warning: name 'modèle' is written '{written['modèle']}' for the scheduler's" in said, command
+
+
+def test_a_name_schedulers_take_is_written_as_it_is_and_not_mentioned(tmp_path: Path) -> None:
+    result = jobgen("render", "-s", "pbs", str(write_job(tmp_path / "job.yaml", {**cpu_job(), "name": "llama3-8b_lora.v2"})))
+    assert "#PBS -N llama3-8b_lora.v2\n" in result.stdout and "JOBGEN_RUN_DIR=$(realpath -m runs/llama3-8b_lora.v2)" in result.stdout
+    assert "is written" not in result.stderr

@@ -260,3 +260,18 @@ def test_runs_asks_the_scheduler_only_about_a_run_whose_records_have_not_ended(m
     assert index.state(latest, [ended("preempted"), ended("completed")]) == "completed" and asked == []
     # Another submission's segments are not the latest's: it has not started.
     assert index.state(latest, [{**ended("completed"), "job_id": "6"}]) == "submitted"
+
+
+def test_status_gives_a_hung_segment_the_steps_it_trained(tmp_path: Path, state: Path, env: dict) -> None:
+    """A hang's end records no steps (the supervisor ended the ranks before they reported them):
+    the segment's own metrics records say how far it trained."""
+    run_dir = write_run(tmp_path / "runs" / "demo", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z", "hung", None, None, 0),
+                                       ("2026-01-01T00:11:00Z", "2026-01-01T00:12:00Z", "completed", 20, 40, 1)]},
+    ])
+    for step in range(1, 31):
+        append(run_dir / "output" / "metrics.jsonl", {"step": step, "total_steps": 40, "loss": 1.0, "time": 1767225600 + step,
+                                                       "job_id": "local-1", "restart": 0})
+    report = json.loads(jobgen("status", "--json", str(run_dir), env=env).stdout)
+    assert [(s["outcome"], s["first_step"], s["last_step"]) for s in report["segments"]] == [("hung", 0, 30), ("completed", 20, 40)]
+    assert "0->30" in jobgen("status", str(run_dir), env=env).stdout

@@ -123,6 +123,7 @@ def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: d
         "scheduler": "'scheduler': unknown scheduler 'lsf'",
         "unquoted": "'limits.gpu.max_time' is 172800: expected [D-]HH:MM:SS in quotes, e.g. max_time: \"48:00:00\"; "
                     "unquoted, YAML 1.1 reads 48:00:00 as the number 172800 (base 60)",
+        "twice": "key 'limits.gpu.max_nodes' is given twice, at line 4 and line 5; YAML would keep only the second: keep one",
     }
     profiles = {
         "limit": {"limit": {}},
@@ -130,6 +131,7 @@ def test_a_profiles_mistakes_are_one_line_naming_the_key(tmp_path: Path, site: d
         "limits": {"limits": {"gpu": {"max_time": "2 days"}}},
         "scheduler": {"scheduler": "lsf"},
         "unquoted": "limits:\n  gpu: {max_time: 48:00:00}\n",  # as an admin types it
+        "twice": "scheduler: slurm\nlimits:\n  gpu:\n    max_nodes: 4\n    max_nodes: 64\n",
     }
     for key, profile in profiles.items():
         path = tmp_path / "sites" / f"bad-{key}.yaml"

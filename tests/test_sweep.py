@@ -88,6 +88,8 @@ def test_a_bad_sweep_file_is_one_line_naming_the_file(tmp_path: Path) -> None:
         ("grid: {training.seed: 1}\n", "expected a list of values"),
         ("points: [8]\n", "point 1: expected a mapping"),
         ("max_running: 0\ngrid: {training.seed: [1]}\n", "max_running: 0 is not a positive whole number"),
+        ("grid:\n  training.seed: [1, 2]\n  training.seed: [3]\n",
+         "sweep.yaml: key 'grid.training.seed' is given twice, at line 2 and line 3"),
     ]:
         path.write_text(text)
         with pytest.raises(JobgenError, match=re.escape(message)):

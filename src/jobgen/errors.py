@@ -33,8 +33,12 @@ def _describe_one(item: dict[str, Any], model: type[BaseModel], source: str) -> 
     where = f"{source}: " if source else ""
     kind = item["type"]
     if kind == "extra_forbidden":
-        known = _known_keys(model, item["loc"][:-1])
-        hint = _closest(str(item["loc"][-1]), known)
+        here = _model_at(model, item["loc"][:-1])
+        known = list(getattr(here, "model_fields", {}))
+        word = str(item["loc"][-1])
+        # A model's `other_names`: what other tools call its fields (`lr`), before spelling closeness.
+        other = getattr(here, "other_names", {}).get(word)
+        hint = f" (did you mean '{other}'?)" if other else _closest(word, known)
         choices = f"; known keys here: {', '.join(sorted(known))}" if known else ""
         return f"{where}unknown key '{path}'{hint}{choices}"
     if kind == "missing":
@@ -51,14 +55,15 @@ def _describe_one(item: dict[str, Any], model: type[BaseModel], source: str) -> 
     return f"{where}'{path}' is {value}: {message}"
 
 
-def _known_keys(model: type[BaseModel], loc: Iterable[Any]) -> list[str]:
+def _model_at(model: type[BaseModel], loc: Iterable[Any]) -> Any:
+    """The model class at `loc` (a section's), None where `loc` is not a section."""
     current: Any = model
     for part in loc:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
-            return []
+            return None
         current = field.annotation
-    return list(getattr(current, "model_fields", {}))
+    return current
 
 
 def _literal_choices(item: dict[str, Any]) -> list[str]:

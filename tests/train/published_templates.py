@@ -126,6 +126,15 @@ QWEN25 = (
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 )
 
+# microsoft/Phi-3-mini-4k-instruct: each turn ends with <|end|>, and the conversation with the EOS
+# only where no generation prompt follows
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
 # family: (template, special tokens, bos, eos, what ends an assistant turn as the template writes it)
 FAMILIES = {
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
@@ -136,7 +145,12 @@ FAMILIES = {
     "gemma": (GEMMA, ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
               "<end_of_turn>\n"),
     "qwen2.5": (QWEN25, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|im_end|>\n"),
+    "phi3": (PHI3, ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<s>",
+             "<|endoftext|>", "<|end|>\n"),
 }
+# What a family's template writes after the last message of a conversation only (never after a
+# turn that more of the conversation follows).
+CLOSING = {"phi3": "<|endoftext|>"}
 
 CORPUS = (
     "What is two plus two? Two plus two is four. Name a colour. Red. Another one? Blue, like the sky. "

@@ -1,6 +1,6 @@
 """training.chat_template: conversations tokenized exactly as apply_chat_template writes them, with
-labels on the assistant's part only, for the published templates of Llama 3, Llama 3.1, Mistral, Gemma and
-Qwen 2.5 (tests/train/published_templates.py), a Jinja file with {% generation %} marks, and
+labels on the assistant's part only, for the published templates of Llama 3, Llama 3.1, Mistral, Gemma,
+Qwen 2.5 and Phi-3 (tests/train/published_templates.py), a Jinja file with {% generation %} marks, and
 templates whose assistant part cannot be found exactly."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from jobgen.job.conversations import Conversation
 from jobgen.train.chat_template import CHATML
 from jobgen.train.data import IGNORE_INDEX, ChatTokenizer
 from jobgen.train.trainer import check_chat_template, template_digest
-from tests.train.published_templates import FAMILIES, family_tokenizer
+from tests.train.published_templates import CLOSING, FAMILIES, family_tokenizer
 
 ONE_ROUND = Conversation("one", None, (("user", "What is two plus two?"), ("assistant", "Two plus two is four.")))
 TWO_ROUNDS = Conversation("two", None, (
@@ -46,7 +46,10 @@ def expected_answers(family: str, conversation: Conversation) -> list[str]:
     """Each assistant message as the family's template writes it: content, then end of turn."""
     trims = family in ("llama3", "llama3.1", "gemma")
     end = FAMILIES[family][4]
-    return [(text.strip() if trims else text) + end for role, text in conversation.turns if role == "assistant"]
+    answers = [(text.strip() if trims else text) + end for role, text in conversation.turns if role == "assistant"]
+    if conversation.turns[-1][0] == "assistant":  # the conversation's closing is learned where it has one
+        answers[-1] += CLOSING.get(family, "")
+    return answers
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -65,6 +68,24 @@ def test_ids_are_apply_chat_template_and_labels_only_the_assistant_part(family, 
     assert [tokenizer.decode(run) for run in runs] == answers
     # token by token: each run is exactly the answer's own tokens, where the rendered text has them
     assert runs == [tokenizer(answer, add_special_tokens=False)["input_ids"] for answer in answers]
+
+
+def test_phi3_learns_each_end_of_turn_and_the_eos_only_where_the_conversation_has_it():
+    # Phi-3 writes the EOS after the last message when no generation prompt follows, so the
+    # conversation up to an earlier answer ends differently from the whole one: it was refused.
+    tokenizer = family_tokenizer("phi3")
+    ids, labels = ChatTokenizer(tokenizer, 4096, "tokenizer", model="microsoft/Phi-3-mini-4k-instruct")(TWO_ROUNDS)
+    assert ids == list(tokenizer.apply_chat_template(messages(TWO_ROUNDS), tokenize=True)["input_ids"])
+    assert tokenizer.decode(ids) == (
+        "<|user|>\nName a colour.<|end|>\n<|assistant|>\nRed.<|end|>\n<|user|>\nAnother one?<|end|>\n"
+        "<|assistant|>\n Blue, like the sky.\n<|end|>\n<|endoftext|>"
+    )
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    learned = [token for token, label in zip(tokens, labels) if label != IGNORE_INDEX]
+    first, second = (tokenizer.convert_ids_to_tokens(tokenizer(answer, add_special_tokens=False)["input_ids"])
+                     for answer in ("Red.<|end|>\n", " Blue, like the sky.\n<|end|>\n<|endoftext|>"))
+    assert learned == first + second  # token by token; the EOS once, after the last answer
+    assert tokens.count("<|endoftext|>") == 1 and labels[tokens.index("<|endoftext|>")] != IGNORE_INDEX
 
 
 def test_qwen_writes_its_default_system_prompt_and_it_is_not_learned():

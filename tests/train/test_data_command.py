@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import yaml
 
@@ -93,6 +94,28 @@ def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_pat
     assert cut
     said = f"{len(cut)} of {len(conversations)} conversations cut at max_length 48, {sum(c - 48 for c in cut)} tokens lost"
     assert f"jobgen: {said}; the longest, " in prepared.stderr and "raise training.max_length" in prepared.stderr
+    again = jobgen("prepare", str(job), "--site", "none")
+    assert again.returncode == 0 and ") was prepared already; nothing to do\n" in again.stderr, again.stderr
     after = jobgen("data", str(job), "--show", "1", "--site", "none")
     assert after.returncode == 0, after.stderr
     assert after.stdout.splitlines()[-1].startswith("# the whole data set (store ") and said in after.stdout
+
+
+def test_a_hub_model_the_hub_cannot_give_is_one_line_at_once(tmp_path, tiny):
+    # Not in the (empty) cache, and HF_ENDPOINT a closed port: huggingface_hub's own client
+    # retried each request for about a minute, printing two dozen lines, before its error.
+    from tests.train.conftest import free_port
+
+    job = _job(tmp_path, tiny, model="Qwen/Qwen-14B")
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": ""}
+    for command in ("data", "prepare"):
+        started = time.monotonic()
+        result = jobgen(command, str(job), "--site", "none", env=env, timeout=40)
+        took = time.monotonic() - started
+        errors = [line for line in result.stderr.splitlines() if not line.startswith("jobgen: warning:")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr
+        assert errors[0].startswith(f"jobgen: error: training.model: Qwen/Qwen-14B is not in {tmp_path / 'hf' / 'hub'} "
+                                    f"(HF_HOME={tmp_path / 'hf'}) and the hub ({endpoint}) cannot be reached from here "
+                                    "(Connection refused): run `jobgen prepare")
+        assert took < 10, f"jobgen {command} took {took:.0f} s"

@@ -5,6 +5,7 @@ one line each and all at once, read at `validate`, and the Qwen guide's ds_confi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import yaml
@@ -83,7 +84,7 @@ def test_the_qwen_guides_config_is_filled_as_the_hf_trainer_fills_it(qwen_config
     training = _training(per_device_batch_size=2, gradient_accumulation=4, learning_rate=1e-5, weight_decay=0.1,
                          adam_beta2=0.95, adam_epsilon=1e-6, precision="bf16", lr_schedule="cosine", warmup_ratio=0.01)
     config = build_config(training, 8, "bf16", str(qwen_config))
-    assert "scheduler" not in config  # its WarmupLR of 'auto' values gives way to the job's cosine schedule
+    assert "scheduler" not in config  # its WarmupLR of 'auto' values is run by jobgen itself (followed_schedule)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 4, 64)
     assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}}
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
@@ -103,8 +104,8 @@ def test_every_conflict_with_the_job_is_one_line_all_at_once(tmp_path):
         build_config(_training(learning_rate=2e-4), 2, "fp32", str(path))
     assert str(caught.value).splitlines() == [
         f"training.deepspeed_config: {path} has a 'scheduler' section (WarmupLR) with values of its own, which would "
-        "override training.lr_schedule (cosine); remove it (or set its params to \"auto\") and set lr_schedule and "
-        "warmup_steps or warmup_ratio in the job",
+        "override the job's learning_rate and warmup; set its params to \"auto\" (filled from the job, as the Hugging "
+        "Face Trainer fills them), or remove it and set lr_schedule and warmup_steps or warmup_ratio in the job",
         f"training.deepspeed_config: {path}: train_micro_batch_size_per_gpu is 4 but the job says 1 "
         "(training.per_device_batch_size); set it to \"auto\" (or remove it) so the job decides, or change "
         "training.per_device_batch_size",
@@ -163,3 +164,73 @@ def test_the_qwen_guides_config_trains_unedited(tools, tiny, tmp_path, qwen_conf
     assert result.returncode == 0, result.stdout
     assert "optimizer AdamW makes DeepSpeed compile its fused_adam op" in result.stdout
     assert tools.adapter_weights(job.parent / "output")
+
+
+# A ZeRO-3 JSON as the Hugging Face docs and the Qwen guide write it: the bucket sizes 'auto'.
+ZERO3_AUTO_BUCKETS = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_auto_bucket_sizes_of_a_model_not_staged_name_the_cache_and_prepare_in_validate_and_render(tmp_path, tiny):
+    # The sizes come from the model's hidden_size, which its config.json in the nodes' cache gives:
+    # the cause is that config not being there, not a value the user forgot to give.
+    ds = tmp_path / "ds_config_zero3.json"
+    ds.write_text(json.dumps(ZERO3_AUTO_BUCKETS))
+    job = _job(tmp_path, tiny, model="Qwen/Qwen-14B", method="full", zero_stage=3, deepspeed_config=str(ds))
+    cache = tmp_path / "hf"
+    said = (f"training.deepspeed_config: {ds} has 'auto' at zero_optimization.reduce_bucket_size, "
+            "zero_optimization.stage3_prefetch_bucket_size, zero_optimization.stage3_param_persistence_threshold, "
+            "which the model's hidden_size fills (as the Hugging Face Trainer does), and Qwen/Qwen-14B's config.json "
+            f"is not in the cache the nodes use (HF_HOME={cache}) to read it from: stage the model there with "
+            "`jobgen prepare JOB.yaml` (the nodes then fill them from it as the job starts), or give values")
+    env = {"HF_HOME": str(cache)}
+    result = jobgen("validate", str(job), "--site", "none", env=env)
+    assert result.returncode == 2 and f"jobgen: error: {said}\n" in result.stderr, result.stderr
+    assert "give a value" not in result.stderr
+    result = jobgen("render", "-s", "slurm", str(job), "--site", "none", env=env)
+    assert result.returncode == 0 and f"jobgen: warning: {said}\n" in result.stderr, result.stderr
+    # Staged, the same file fills from the model's hidden_size (the tiny model's 64), as on the nodes.
+    config = build_config(_training(zero_stage=3), 2, "bf16", str(ds), hidden_size=64)["zero_optimization"]
+    assert config["reduce_bucket_size"] == 64 * 64
+
+
+def _metrics(output):
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind, after_warmup", [
+    ("WarmupLR", lambda step, total: 1.0),  # constant after the warmup, as the Trainer runs the guide's file
+    ("WarmupDecayLR", lambda step, total: (total - step) / (total - 2)),
+], ids=["WarmupLR", "WarmupDecayLR"])
+def test_a_scheduler_of_auto_values_runs_as_the_hf_trainer_runs_it_and_validate_says_so(tools, tiny, tmp_path, kind, after_warmup):
+    # The guide's files: WarmupLR with every param 'auto'. It trained with jobgen's cosine schedule.
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                                   "torch_adam": True}},
+        "scheduler": {"type": kind, "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                               "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+    }))
+    job = tools.write_job(tmp_path / "run", tiny, deepspeed_config=str(ds), max_steps=6, warmup_steps=2,
+                          learning_rate=1e-3, logging_interval=1)
+    result = jobgen("validate", str(job), "--site", "none")
+    shape = {"WarmupLR": "constant", "WarmupDecayLR": "linear"}[kind]
+    after = {"WarmupLR": "constant", "WarmupDecayLR": "a linear decay to 0"}[kind]
+    assert result.returncode == 0, result.stderr
+    assert (f"jobgen: warning: training.deepspeed_config: {ds}: its scheduler {kind} runs, as in the Hugging Face "
+            f"Trainer: the job's warmup to learning_rate, then {after} (lr_schedule {shape}); training.lr_schedule "
+            "(cosine) is not used: remove the 'scheduler' section for it to decide") in result.stderr
+    result = tools.train(job, timeout=600)
+    assert result.returncode == 0, result.stdout
+    for line in _metrics(job.parent / "output"):
+        step = line["step"]
+        expected = 1e-3 * (step / 2 if step < 2 else after_warmup(step, 6))
+        assert math.isclose(line["lr"], expected, rel_tol=1e-9, abs_tol=1e-12), line

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from jobgen.job.hub_cache import hub_cache, job_cache, look_up
+from tests.hub_stand_in import HubStandIn
 
 MODEL = "jobgen-test/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -124,7 +125,7 @@ def test_validate_is_quiet_for_a_staged_model_and_warns_for_one_the_cache_lacks(
     assert out.returncode == 0 and ": ok:" in out.stdout, out.stderr
     assert model_warnings(out.stderr) == [
         f"jobgen: warning: training.model: jobgen-test/absent is not in the cache the nodes use (HF_HOME={hf_home}): "
-        "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it"
+        "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it" + NOT_CHECKED
     ]
 
     broken = incomplete_copy(hf_home, tmp_path / "hf-broken")
@@ -173,11 +174,16 @@ def test_validate_checks_the_commit_a_run_is_pinned_to_not_where_main_points_now
     assert out.returncode == 0, out.stderr
     assert model_warnings(out.stderr) == [
         f"jobgen: warning: training.model: {MODEL} at revision {COMMIT} is not in the cache the nodes use (HF_HOME={home}): "
-        "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it"
+        "run `jobgen prepare JOB.yaml` on a machine with internet, or the nodes will try to download it" + NOT_CHECKED
     ]
     write_job(tmp_path / "new", tiny, home, name="new")
     out = jobgen(tmp_path / "new", "validate", "job.yaml")
     assert out.returncode == 0 and model_warnings(out.stderr) == [], out.stderr
+
+
+# What validate adds for a model the cache lacks, where the hub cannot be asked (HF_ENDPOINT, a closed port).
+NOT_CHECKED = ("; the hub (http://127.0.0.1:9) cannot be reached from here (Connection refused), so its name, revision "
+               "and config (model type, its own code and trust_remote_code) were not checked")
 
 
 def model_warnings(stderr: str) -> list[str]:
@@ -252,7 +258,9 @@ def test_stage_model_downloads_what_training_needs_into_the_jobs_cache(tiny: Pat
     hf_home = tmp_path / "shared-hf"
     job = Job.model_validate(yaml.safe_load(write_job(tmp_path / "job", tiny, hf_home).read_text()))
     lines: list[str] = []
-    cached = stage_model(job, progress=lines.append)
+    with HubStandIn({MODEL: {"model_type": "llama"}}) as hub:  # asked before the download: it has the model
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        cached = stage_model(job, progress=lines.append)
     assert cached.complete and cached.commit == COMMIT
     assert [call[:3] for call in calls] == [(MODEL, "main", str(hf_home / "hub"))]
     assert lines[-1] == (f"training.model: {MODEL} is in {hf_home}/hub at commit {COMMIT}; "
@@ -321,11 +329,13 @@ def test_stand_in_hub_jobgen_prepare_pins_what_it_downloads_and_keeps_the_pin(ti
     home = tmp_path / "hf"
     folder = write_job(tmp_path / "job", tiny, home, name="prepared").parent
     script = STAND_IN_HUB_PREPARE.format(repo=str(Path(__file__).parents[2]), model=str(tiny / "model"))
-    env = clean_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")  # the tokenizer is read from what was staged
+    env = clean_env(HF_HOME=str(home))
 
     def prepare(hub_main: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", script, hub_main], cwd=folder, env=env, capture_output=True,
-                              text=True, timeout=300)
+        # The hub's answers from a stand-in (tests.hub_stand_in); the tokenizer is read from what was staged.
+        with HubStandIn({MODEL: {"model_type": "llama"}}) as hub:
+            return subprocess.run([sys.executable, "-c", script, hub_main], cwd=folder, env={**env, "HF_ENDPOINT": hub.url},
+                                  capture_output=True, text=True, timeout=300)
 
     run_dir = folder / "runs" / "prepared"
     first = prepare(COMMIT)
@@ -342,3 +352,24 @@ def test_stand_in_hub_jobgen_prepare_pins_what_it_downloads_and_keeps_the_pin(ti
             f"({run_dir}/model-commit.json)") in again.stderr
     assert f"{MODEL} at revision {COMMIT} is already in {home}/hub (commit {COMMIT})" in again.stderr
     assert "was prepared already" in again.stderr  # the same tokenizer: the same store
+
+
+def test_a_node_that_cannot_reach_the_hub_for_a_model_not_staged_says_so_at_once(tiny: Path, tmp_path: Path) -> None:
+    # Each rank downloads a model its cache lacks; with no hub (HF_ENDPOINT a closed port) the
+    # library retried each file for about a minute, logging every try, before its error.
+    import time
+
+    empty = tmp_path / "hf-empty"
+    write_job(tmp_path, tiny, empty, name="nohub")
+    started = time.monotonic()
+    out = jobgen(tmp_path, "submit", "-s", "local", "job.yaml")
+    took = time.monotonic() - started
+    run_dir = tmp_path / "runs" / "nohub"
+    logs = run_logs(run_dir)
+    assert out.returncode != 0
+    line = (f"jobgen-train: error: training.model: {MODEL} is not in {empty}/hub (HF_HOME={empty}) and the hub "
+            "(http://127.0.0.1:9) cannot be reached from here (Connection refused): stage it into the nodes' cache with "
+            "`jobgen prepare JOB.yaml` on a machine with internet")
+    assert line in logs, logs
+    assert "Retrying in" not in logs and took < 60, f"{took:.0f} s"
+    assert json.loads((run_dir / "trainer-exit.json").read_text())["failure"] == "user_error"

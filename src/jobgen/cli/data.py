@@ -35,6 +35,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     from itertools import islice
 
     from jobgen.job.conversations import read_samples
+    from jobgen.job.model_reference import HUB_NAME
     from jobgen.job.preflight import working_directory
     from jobgen.job.sources import data_paths, resolve_paths
     from jobgen.rundir.model_pin import load_revision
@@ -52,6 +53,8 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
         template = os.path.join(base, template)
     run_dir = os.path.abspath(job.effective_run_dir)
     revision = load_revision(run_dir, model, training.model_revision)  # the run's pinned commit, where it has one
+    if model == training.model and HUB_NAME.match(model):
+        _reach_hub_model(model, revision)
     tokenizer = load_tokenizer(model, revision, trust_remote_code=training.trust_remote_code)
     chat = ChatTokenizer(tokenizer, training.max_length, template, training.model)
     paths = [os.path.join(base, path) for path in data_paths(training.data)]
@@ -74,6 +77,21 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
             "model": model, "model_revision": revision, "data": resolve_paths(training.data, base), "chat_template": template,
             "prepared_cache": os.path.join(base, training.prepared_cache) if training.prepared_cache else None,
         }), run_dir))
+
+
+def _reach_hub_model(model: str, revision: str) -> None:
+    """A hub model staged in this machine's cache is read from it with the hub offline; one that is
+    not is downloaded, after one short request says the hub gives it (else one line, at once)."""
+    from jobgen.job.hub_api import check_downloadable, quiet_retries
+    from jobgen.job.hub_cache import environment_cache, look_up
+    from jobgen.train.modeling import go_offline
+
+    cached = look_up(model, revision, environment_cache())
+    if cached.staged:
+        go_offline()
+        return
+    check_downloadable(cached, "run `jobgen prepare JOB.yaml` where the hub can be reached (HF_ENDPOINT may name a mirror)")
+    quiet_retries()
 
 
 def _whole_data(training, run_dir: str) -> str:

@@ -14,6 +14,7 @@ from jobgen.cli.options import (
     check_files,
     checked_scheduler_option,
     config_argument,
+    deepspeed_findings,
     resolve,
     resolve_sweep,
     scheduler_for,
@@ -32,7 +33,7 @@ from jobgen.cli.options import (
 @set_option
 @template_dir_option
 @with_sweep_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the script here (mode 0644) instead of printing it.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the script here instead of printing it: a file is replaced whole (mode 0644), a device or FIFO written to, a symlink's target written.")
 def render(
     config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
     sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], output: Optional[Path],
@@ -55,7 +56,7 @@ def render(
             f"{scheduler} runs a sweep as one job per point, not one script: render a point with --set "
             f"(e.g. --set {sweep.keys[0]}=...), or submit the sweep with jobgen submit --sweep"
         )
-    for warning in chosen.warnings(resolved.job):
+    for warning in chosen.warnings(resolved.job) + deepspeed_findings(resolved.job):
         click.echo(f"jobgen: warning: {warning}", err=True)
     if sweep is not None:
         script = render_array(points, sweep.max_running, scheduler, template_dirs)
@@ -64,9 +65,9 @@ def render(
     if output is None:
         click.echo(script, nl=False)
         return
-    from jobgen.files import write_atomic
+    from jobgen.files import write_output
 
-    write_atomic(output, script)
+    write_output(output, script)
     click.echo(f"jobgen: wrote {output}", err=True)
 
 

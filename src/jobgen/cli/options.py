@@ -42,7 +42,8 @@ class SchedulerName(click.ParamType):
         return [CompletionItem(name) for name in scheduler_names() if name.startswith(incomplete)]
 
 
-config_argument = click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+# A folder is refused by the reader, in one line naming the YAML files it holds, not by Click's usage text.
+config_argument = click.argument("config", type=click.Path(path_type=Path))
 site_option = click.option(
     "--site", metavar="NAME", help="Site profile: a name on the site path, or a .yaml file; the default is `site:` in "
     "$XDG_CONFIG_HOME/jobgen/config.yaml, and `--site none` uses none (see `jobgen sites list`)."
@@ -154,6 +155,26 @@ def scheduler_for(option: Optional[str], resolved) -> str:
         f"no scheduler: give --scheduler ({'|'.join(scheduler_names())}), or a site profile that sets "
         f"'scheduler:' (--site NAME, or `site: NAME` in {user_config_file()})"
     )
+
+
+def deepspeed_findings(job) -> list[str]:
+    """render's reading of training.deepspeed_config, where that file is here: what validate
+    would refuse, and its notices, as warnings (render checks no other file: a script may be
+    rendered for another machine, but a DeepSpeed JSON the trainer refuses is the same anywhere)."""
+    import os
+
+    from jobgen.errors import UserError
+    from jobgen.job.preflight import working_directory
+    from jobgen.rundir.model_pin import at_its_pin
+    from jobgen.train.dsconfig import check_job_deepspeed
+
+    path = job.training.deepspeed_config
+    if not path or job.launch.entrypoint == "jobgen-probe" or not os.path.isfile(os.path.join(working_directory(job), path)):
+        return []
+    try:
+        return check_job_deepspeed(at_its_pin(job), working_directory(job))
+    except UserError as error:
+        return str(error).splitlines()
 
 
 def check_files(job) -> None:

@@ -126,8 +126,8 @@ def _said(dataset: Any, outcome: str, max_length: int, field: str = "") -> None:
         click.echo(f"jobgen: {field}prepared {dataset.path} ({what}) in {meta['seconds']:.1f} s with {meta['processes']} "
                    f"processes ({rate:.2f} M tokens/s)", err=True)
     else:
-        click.echo(f"jobgen: {field}{dataset.path} ({what}) was prepared already "
-                   f"{'' if outcome == 'found' else 'by another process '}; nothing to do", err=True)
+        by = "" if outcome == "found" else " by another process"
+        click.echo(f"jobgen: {field}{dataset.path} ({what}) was prepared already{by}; nothing to do", err=True)
     cut = cut_summary(meta, max_length)
     if cut:
         click.echo(f"jobgen: {field}{cut}; raise training.max_length to keep them whole", err=True)

@@ -62,41 +62,54 @@ def status(target: str, as_json: bool) -> None:
 @click.command()
 @target_argument
 def cancel(target: str) -> None:
-    """Cancel the job's latest submission (scancel or qdel).
+    """Cancel the job TARGET names (scancel, qdel; a local job is asked as Ctrl-C asks it: every
+    rank checkpoints, then stops). A job id cancels that job; a run directory its latest submission.
 
     A sweep's folder (or its job array's id) cancels every point still queued or running (on Slurm
     each task of the array, ARRAYID_K), e.g. jobgen cancel runs/NAME; a point's folder or
-    ARRAYID_K, that point alone.
+    ARRAYID_K, that point alone. A job that has already ended is said so, and is no error (exit 0).
     """
     from jobgen.rundir.run import find_target
-    from jobgen.schedulers import get_scheduler
 
     if sweep := _sweep_folder(target):
         return _cancel_sweep(sweep)
-    run, job_id = find_target(target)
+    run, named = find_target(target)
     latest = run.latest()
-    get_scheduler(latest["scheduler"]).cancel(latest["job_id"])
-    # A requeued run goes on under a new job id (PBS, Torque): an earlier one names the run.
-    earlier = f" (the run's latest submission; {job_id} was an earlier one)" if job_id not in (None, latest["job_id"]) else ""
-    click.echo(f"jobgen: cancelled job {latest['job_id']}{earlier}", err=True)
+    entry = next(s for s in reversed(run.submissions()) if s.get("job_id") == named) if named else latest
+    if _cancel_if_active(entry):
+        click.echo(f"jobgen: cancelled job {entry['job_id']}", err=True)
+        return
+    # A requeued run goes on under a new job id (PBS, Torque): the earlier one is over.
+    later = f"; the run went on as job {latest['job_id']} (jobgen cancel {run.path})" if latest is not entry else ""
+    click.echo(f"jobgen: job {entry['job_id']} has already ended: nothing to cancel{later}", err=True)
+
+
+def _cancel_if_active(entry: dict) -> bool:
+    """Cancels the job of submission `entry` if its scheduler holds it queued or running; False
+    when it has ended. Where the scheduler cannot be asked, its cancel command says."""
+    from jobgen.schedulers import get_scheduler
+
+    scheduler = get_scheduler(entry["scheduler"])
+    try:
+        found = scheduler.state(entry["job_id"])
+    except JobgenError:  # cannot be asked: the cancel command says what it finds
+        scheduler.cancel(entry["job_id"])
+        return True
+    if found is None or found.state.upper() not in scheduler.active_states:
+        return False
+    scheduler.cancel(entry["job_id"])
+    return True
 
 
 def _cancel_sweep(target: str) -> None:
     from jobgen.rundir.sweep import point_dirs
-    from jobgen.schedulers import get_scheduler
 
     cancelled, ended = [], []
     for _, run in point_dirs(target):
         if not run.submissions():
             continue
         latest = run.latest()
-        scheduler = get_scheduler(latest["scheduler"])
-        found = None if scheduler.runs_in_foreground else scheduler.state(latest["job_id"])
-        if found is not None and found.state.upper() in scheduler.active_states:
-            scheduler.cancel(latest["job_id"])
-            cancelled.append(latest["job_id"])
-        else:
-            ended.append(latest["job_id"])
+        (cancelled if _cancel_if_active(latest) else ended).append(latest["job_id"])
     click.echo(f"jobgen: cancelled {len(cancelled)} point(s): {' '.join(cancelled) or '-'}"
                + (f"; already ended: {' '.join(ended)}" if ended else ""), err=True)
 
@@ -150,8 +163,8 @@ def _sweep_logs(target: str, node: Optional[int], rank: Optional[int]) -> None:
 
 @click.command()
 @target_argument
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
-@click.option("--data", "data_file", type=click.Path(dir_okay=False, path_type=Path), help="Also write the plotted data here, as JSON.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="The PNG to write (default RUN_DIR/plot.png).")
+@click.option("--data", "data_file", type=click.Path(path_type=Path), help="Also write the plotted data here, as JSON.")
 def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None:
     """Draw the run: loss and tokens/s over the steps with each segment's start marked, and under
     them the segments (how each ended) with the goodput. Needs matplotlib: pip install 'jobgen[plot]'.
@@ -159,10 +172,11 @@ def plot(target: str, output: Optional[Path], data_file: Optional[Path]) -> None
     A sweep's folder draws every point's loss curve in one picture (default SWEEP/plot.png),
     e.g. jobgen plot runs/NAME.
     """
+    from jobgen.files import write_output
     from jobgen.rundir.plot import plot as draw_run, plot_sweep
 
     sweep = _sweep_folder(target)
     path, data = plot_sweep(sweep, output) if sweep else draw_run(target, output)
     if data_file is not None:
-        data_file.write_text(json.dumps(data, indent=2) + "\n")
+        write_output(data_file, json.dumps(data, indent=2) + "\n")
     click.echo(f"jobgen: wrote {path}", err=True)

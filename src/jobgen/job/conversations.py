@@ -55,7 +55,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 from jobgen.errors import UserError
 from jobgen.job import record_formats as read
 from jobgen.job.record_formats import BadRecord
-from jobgen.job.sources import CHUNK_RECORDS, Chunk, Unreadable, data_paths, jsonl_chunks, not_json, read_chunks, source_kind
+from jobgen.job.sources import CHUNK_RECORDS, TEXT_ENCODING, Chunk, Unreadable, data_paths, jsonl_chunks, not_json, read_chunks, source_kind
 from jobgen.job.textfile import file_not_utf8_message
 
 ROLES = ("user", "assistant", "tool", "system")  # what a Conversation holds: user, assistant and tool turns, a system prompt
@@ -250,7 +250,7 @@ def _formatted_chunks(path: str, data_format: str) -> Iterator[tuple["_FileForma
 def _read_text(path: str, max_chars: int = -1) -> str:
     source_kind(path)  # missing, or a folder: one line
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding=TEXT_ENCODING) as handle:
             return handle.read(max_chars)
     except UnicodeDecodeError:
         raise UserError(f"{path}: {file_not_utf8_message(path)}") from None

@@ -13,6 +13,7 @@ import os
 from typing import Any, Callable, Optional
 
 from jobgen.errors import UserError
+from jobgen.job.hub_api import ask_hub, check_downloadable, quiet_retries, unreachable_words
 from jobgen.job.hub_cache import COMMIT, CachedModel, job_cache, look_up
 from jobgen.job.models import Job
 
@@ -20,6 +21,7 @@ from jobgen.job.models import Job
 # merges, tiktoken), the weight index and weights. Not other formats' weights (onnx, gguf, flax).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken", "*.jinja"]
 BIN_WEIGHTS = ["pytorch_model*.bin"]
+_REACH_FIX = "run `jobgen prepare` on a machine that reaches the hub (or set HF_ENDPOINT to a mirror this one reaches)"
 
 
 def stage_model(job: Job, progress: Callable[[str], None] = print, tqdm_class: Optional[Any] = None) -> Optional[CachedModel]:
@@ -40,6 +42,13 @@ def stage_model(job: Job, progress: Callable[[str], None] = print, tqdm_class: O
     if cached.complete and COMMIT.match(training.model_revision):
         progress(f"training.model: {cached.at()} is already in {cache.path} (commit {cached.commit})")
         return cached
+    answer = ask_hub(training.model, training.model_revision)
+    if answer.unreachable and cached.complete:  # the branch may have moved; what is here still trains
+        progress(f"training.model: {unreachable_words(answer)}; {cached.at()} is in {cache.path} at commit "
+                 f"{cached.commit}, as it was staged")
+        return cached
+    check_downloadable(cached, _REACH_FIX, answer)
+    quiet_retries()
     progress(f"training.model: downloading {cached.at()} into {cache.path} ({cache.chosen_by})")
     _download(training.model, training.model_revision, cache.path, MODEL_FILES, tqdm_class)
     cached = look_up(training.model, training.model_revision, cache)

@@ -14,10 +14,11 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from jobgen.errors import JobgenError, describe_validation_error
+from jobgen.errors import JobgenError, describe_errors
 from jobgen.job.models import Job
+from jobgen.job.nccl import not_nccl_warnings
 from jobgen.job.sites import SiteProfile, load_site
-from jobgen.job.yamlfile import Sexagesimal, check_shape, parse_yaml
+from jobgen.job.yamlfile import DuplicateKey, Sexagesimal, check_shape, parse_yaml
 from jobgen.job.yamlfile import read_yaml_mapping as _read_yaml
 
 
@@ -31,7 +32,7 @@ class ResolvedJob:
 def resolve_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> ResolvedJob:
     """The validated job with every layer applied, and the warnings that do not stop it."""
     layered, site = layered_job(config, site_name, overrides)
-    return validated(layered, site, str(config))
+    return validated(layered, site, str(config), overrides)
 
 
 def layered_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], SiteProfile]:
@@ -43,13 +44,26 @@ def layered_job(config: Path, site_name: Optional[str] = None, overrides: tuple[
     return layered, site
 
 
-def validated(layered: dict[str, Any], site: SiteProfile, source: str) -> ResolvedJob:
-    """`layered` checked by the models; a mistake is one line per problem, each after `source`."""
+def validated(layered: dict[str, Any], site: SiteProfile, source: str, overrides: tuple[str, ...] = ()) -> ResolvedJob:
+    """`layered` checked by the models; a mistake is one line per problem, each after `source`, or
+    after `--set KEY=VALUE` where that override gave the value at fault."""
     try:
         job = Job.model_validate(layered)
     except ValidationError as error:
-        raise JobgenError(describe_validation_error(error, Job, source)) from None
+        raise JobgenError("\n".join(
+            describe_errors([item], Job, _source_of(item["loc"], source, overrides)) for item in error.errors()
+        )) from None
     return ResolvedJob(job=job, site=site, warnings=job_warnings(job))
+
+
+def _source_of(loc: tuple[Any, ...], source: str, overrides: tuple[str, ...]) -> str:
+    """The last --set that gave the value at `loc` (or the section holding it), else `source`."""
+    path = [str(part) for part in loc]
+    for assignment in reversed(overrides):
+        key = assignment.partition("=")[0].strip().split(".")
+        if path and path[: len(key)] == key:
+            return f"--set {assignment!r}"
+    return source
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +83,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         raise JobgenError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set resources.nodes=4")
     try:
         value = parse_yaml(raw) if raw.strip() else ""
+    except DuplicateKey as error:
+        raise JobgenError(f"--set {assignment!r}: {error.without_lines}") from None
     except ValueError:
         value = raw  # not YAML: the text itself, which validation then accepts or names
     if isinstance(value, Sexagesimal):
@@ -113,4 +129,8 @@ def job_warnings(job: Job) -> list[str]:
             f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "
             "64-256, the usual range for LoRA fine-tunes"
         )
+    if job.written_name != job.name:
+        where = "job name" if job.run_dir else f"job name and the run directory {job.effective_run_dir}"
+        warnings.append(f"name {job.name!r} is written {job.written_name!r} for the scheduler's {where}")
+    warnings += not_nccl_warnings(job.environment.variables)
     return warnings

@@ -10,7 +10,9 @@ nodes). check_model_config refuses, one line each, naming the field:
   `training.trust_remote_code: true`, and code files that `auto_map` names but the folder lacks;
 - a pre-quantized checkpoint (`quantization_config.quant_method`): only `method: qlora` trains
   it, as LoRA adapters on the checkpoint's own quantization (never bitsandbytes on top of GPTQ),
-  and only where the packages that load it are installed (PREQUANTIZED).
+  and only where the packages that load it are installed (PREQUANTIZED);
+- a `training.max_length` above the positions the model has (max_position_embeddings, scaled by
+  its RoPE scaling's factor).
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ class ModelConfig:
     def quant_method(self) -> Optional[str]:
         quantization = self.data.get("quantization_config")
         return quantization.get("quant_method") if isinstance(quantization, dict) else None
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """The longest row the model takes: max_position_embeddings (of text_config in a model
+        that nests its language model), times a RoPE scaling's factor over the length it scales
+        (Llama 3.1 writes the scaled length, Qwen's YaRN the original); None where it says neither."""
+        data = self.data if "max_position_embeddings" in self.data else self.data.get("text_config")
+        if not isinstance(data, dict) or not _whole(data.get("max_position_embeddings")):
+            return None
+        positions = data["max_position_embeddings"]
+        scaling = data.get("rope_scaling")
+        if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 1:
+            original = scaling.get("original_max_position_embeddings")
+            scaled = int(scaling["factor"] * (original if _whole(original) else positions))
+            positions = max(positions, scaled)
+        return positions
 
     def code_files(self) -> list[str]:
         """The model's own Python files that `auto_map` names (module.Class -> module.py)."""
@@ -85,6 +103,10 @@ def find_model_config(model: str, revision: str = DEFAULT_REVISION, cache: Optio
     return ModelConfig(path, data)
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def native_model_types() -> Optional[set[str]]:
     """The model types the installed transformers builds without a model's own code, read from
     its auto-config source (importing it would import torch); None where that cannot be told."""
@@ -103,8 +125,9 @@ def native_model_types() -> Optional[set[str]]:
 
 
 def check_model_config(config: ModelConfig, model: str, method: str, trust_remote_code: bool,
-                       native: Optional[set[str]] = None) -> list[str]:
-    """The problems (one line each) that would stop `model` from loading for `method`."""
+                       native: Optional[set[str]] = None, max_length: Optional[int] = None) -> list[str]:
+    """The problems (one line each) that would stop `model` from loading for `method`, or from
+    taking `max_length` tokens (training.max_length) in one row."""
     data, where = config.data, config.path
     model_type = data.get("model_type")
     has_code = bool(data.get("auto_map"))
@@ -131,7 +154,20 @@ def check_model_config(config: ModelConfig, model: str, method: str, trust_remot
             if missing:
                 problems.append(f"training.model: {where}: 'auto_map' names {', '.join(missing)}, not in {folder}")
     problems += _check_quantization(config, model, method)
+    positions = config.max_positions
+    if max_length is not None and positions is not None and max_length > positions:
+        problems.append(
+            f"training.max_length {max_length} is above the {positions} positions {model} has "
+            f"({positions_source(config)} in {where}): rows that long index past its position table or "
+            f"run on positions it never trained; lower training.max_length to {positions} or less"
+        )
     return problems
+
+
+def positions_source(config: ModelConfig) -> str:
+    data = config.data if "max_position_embeddings" in config.data else config.data.get("text_config", {})
+    scaled = isinstance(data.get("rope_scaling"), dict) and data["rope_scaling"].get("factor")
+    return "max_position_embeddings" + (" x rope_scaling.factor" if scaled else "")
 
 
 def _check_quantization(config: ModelConfig, model: str, method: str) -> list[str]:
@@ -155,12 +191,12 @@ def _check_quantization(config: ModelConfig, model: str, method: str) -> list[st
 
 
 def model_config_problems(model: str, method: str, trust_remote_code: bool, revision: str = DEFAULT_REVISION,
-                          cache: Optional[HubCache] = None) -> list[str]:
+                          cache: Optional[HubCache] = None, max_length: Optional[int] = None) -> list[str]:
     """check_model_config on `model`'s config where this machine has one; [] where it has none."""
     config = find_model_config(model, revision, cache)
     if config is None:
         return []
-    return check_model_config(config, model, method, trust_remote_code, native_model_types())
+    return check_model_config(config, model, method, trust_remote_code, native_model_types(), max_length)
 
 
 def has_chat_template(model: str, revision: str = DEFAULT_REVISION, cache: Optional[HubCache] = None) -> Optional[bool]:

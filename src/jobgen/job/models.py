@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from jobgen.job import nccl
 from jobgen.job.yamlfile import Sexagesimal
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# A variable's value: text once validated, but a number or boolean in the file (`jobgen schema`
+# tells editors so); Environment turns them into the text the shell gets.
+ShellText = Annotated[str, WithJsonSchema({"type": ["string", "number", "boolean"]})]
 # Slurm/PBS names for partitions, queues, accounts, QoS, modules: conservative on purpose.
 SCHEDULER_NAME = r"^[A-Za-z0-9_.@%+:/-]+$"
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
@@ -38,6 +42,10 @@ JOBGEN_CHUNK_RESOURCES = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Names other tools give these fields (Hugging Face TrainingArguments, LLaMA-Factory, axolotl,
+    # Slurm): an unknown key that is one of them is answered with the field, which spelling
+    # closeness alone misses (`lr` is closer to `lora` than to `learning_rate`).
+    other_names: ClassVar[dict[str, str]] = {}
 
 
 def parse_time_limit(text: str) -> int:
@@ -80,6 +88,11 @@ def parse_memory_mb(text: str) -> int:
 
 class Resources(_Strict):
     """What the scheduler is asked for."""
+
+    other_names: ClassVar[dict[str, str]] = {
+        "gpus": "gpus_per_node", "ntasks_per_node": "gpus_per_node", "time": "time_limit", "walltime": "time_limit",
+        "mem": "memory_per_node", "memory": "memory_per_node", "queue": "partition", "cpus_per_task": "cpus_per_node",
+    }
 
     nodes: int | str = Field(
         1,
@@ -168,20 +181,10 @@ class Resources(_Strict):
         return parse_memory_mb(self.memory_per_node) if self.memory_per_node else None
 
 
-NETWORK_PRESETS: dict[str, dict[str, str]] = {
-    # Only what NCCL cannot know by itself: whether to use the IB transport at all. NCCL picks the
-    # RoCEv2 GID index and the GPUDirect RDMA level per fabric; a fixed NCCL_IB_GID_INDEX=3 or
-    # NCCL_NET_GDR_LEVEL=PHB is wrong on some fabrics (a site that needs one sets it in
-    # environment.variables). Plain Ethernet must not probe for IB at all (it hangs or warns).
-    "infiniband": {"NCCL_IB_DISABLE": "0"},
-    "roce": {"NCCL_IB_DISABLE": "0"},
-    "ethernet": {"NCCL_IB_DISABLE": "1"},
-    "auto": {},
-}
-
-
 class Launch(_Strict):
     """How one process per GPU is started on every node."""
+
+    other_names: ClassVar[dict[str, str]] = {"nproc_per_node": "procs_per_node", "nnodes": "resources.nodes"}
 
     procs_per_node: Optional[int] = Field(
         None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
@@ -190,7 +193,9 @@ class Launch(_Strict):
         "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
     )
     rendezvous: Literal["static", "c10d"] = "static"
-    network: Literal["auto", "infiniband", "roce", "ethernet"] = "auto"
+    network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
+        "auto", description="the NCCL variables of this fabric (docs/nccl.md); auto leaves NCCL to detect it"
+    )
     health_check: bool = Field(
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
@@ -267,7 +272,10 @@ class Environment(_Strict):
     setup: list[str] = Field(
         default_factory=list, description="shell lines run as written, e.g. 'source ~/venvs/ft/bin/activate'"
     )
-    variables: dict[str, str] = Field(default_factory=dict, description="exported on every node")
+    variables: dict[str, ShellText] = Field(
+        default_factory=dict,
+        description="exported on every node; a number as written, true/false as 1/0 (quote 'true' for the word)",
+    )
     secrets: list[str] = Field(
         default_factory=list, description="names of variables passed from the submitting shell; values never written"
     )
@@ -289,6 +297,14 @@ class Environment(_Strict):
                 raise ValueError("each setup entry must be one line; give several entries instead")
         return value
 
+    @field_validator("variables", mode="before")
+    @classmethod
+    def _numbers_as_shell_text(cls, value: object) -> object:
+        # NCCL's settings are numbers (NCCL_IB_GID_INDEX: 3); the shell only has text.
+        if not isinstance(value, dict):
+            return value
+        return {name: shell_text(item, name) for name, item in value.items()}
+
     @field_validator("variables")
     @classmethod
     def _variable_names(cls, value: dict[str, str]) -> dict[str, str]:
@@ -302,6 +318,26 @@ class Environment(_Strict):
         for name in value:
             _check_env_name(name)
         return value
+
+
+def shell_text(value: object, name: object) -> object:
+    """A variable's value as the shell holds it: a number as written in decimal, true/false as 1/0
+    (what NCCL, PyTorch and the Hugging Face libraries read as on/off; quote 'true' for the word),
+    a time YAML read in base 60 (1:30) as its text. Text passes; anything else is refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, Sexagesimal):
+        return value.text
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return str(value)
+    raise ValueError(f"{name}: {_short(value)} is not a value for a variable; give text, a number or true/false")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_env_name(name: str) -> None:
@@ -377,6 +413,11 @@ class Container(_Strict):
 
 
 class Lora(_Strict):
+    other_names: ClassVar[dict[str, str]] = {
+        "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+        "target": "target_modules", "lora_target": "target_modules", "lora_target_modules": "target_modules",
+    }
+
     r: int = Field(16, ge=1, le=1024)
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
@@ -395,6 +436,25 @@ class Lora(_Strict):
 
 class Training(_Strict):
     """The fine-tune `jobgen-train` runs."""
+
+    other_names: ClassVar[dict[str, str]] = {
+        "lr": "learning_rate",
+        "batch_size": "per_device_batch_size", "micro_batch_size": "per_device_batch_size",
+        "per_device_train_batch_size": "per_device_batch_size", "train_batch_size": "global_batch_size",
+        "gradient_accumulation_steps": "gradient_accumulation",
+        "lr_scheduler": "lr_schedule", "lr_scheduler_type": "lr_schedule", "scheduler": "lr_schedule",
+        "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+        "num_train_epochs": "epochs", "num_epochs": "epochs",
+        "model_name_or_path": "model", "base_model": "model", "dataset": "data", "train_file": "data",
+        "max_seq_length": "max_length", "max_seq_len": "max_length", "sequence_len": "max_length",
+        "cutoff_len": "max_length", "model_max_length": "max_length",
+        "save_steps": "save_interval", "save_total_limit": "keep_checkpoints", "logging_steps": "logging_interval",
+        "eval_steps": "eval_interval", "bf16": "precision", "fp16": "precision", "deepspeed": "deepspeed_config",
+        "finetuning_type": "method", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+        "lora_target": "lora.target_modules", "lora_target_modules": "lora.target_modules",
+        "use_liger_kernel": "liger_kernel", "enable_liger_kernel": "liger_kernel", "attn_implementation": "attention",
+        "flash_attn": "attention", "flash_attention": "attention",
+    }
 
     model: str = Field(..., description="local path or hub name of a causal LM")
     model_revision: str = Field(
@@ -491,6 +551,17 @@ class Training(_Strict):
     output_dir: str = Field("output", description="adapters, checkpoints and metrics; relative to the run directory")
     lora: Lora = Field(default_factory=Lora)
     gradient_checkpointing: bool = False
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="transformers' attn_implementation: auto keeps the model's default (sdpa where it has it); "
+        "flash_attention_2 needs GPUs and the flash-attn package on the nodes",
+    )
+    liger_kernel: bool = Field(
+        False,
+        description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in place of transformers' own, for the "
+        "model types Liger knows (Llama, Mistral, Qwen, Gemma, Phi-3, ...): faster and leaner on GPUs; needs "
+        "`pip install liger-kernel` on the nodes",
+    )
     group_by_length: bool = False
     packing: bool = Field(
         False,
@@ -505,7 +576,8 @@ class Training(_Strict):
         None,
         description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
         "values are filled from the job as the Trainer fills them, other values must agree with the job, and a "
-        "'scheduler' section of 'auto' values gives way to lr_schedule",
+        "'scheduler' section of 'auto' values runs as the Hugging Face Trainer runs it (WarmupLR: constant after the "
+        "warmup, WarmupDecayLR: linear, WarmupCosineLR: cosine) in place of lr_schedule",
     )
 
     @model_validator(mode="after")
@@ -548,7 +620,10 @@ class Job(_Strict):
     """A whole job file."""
 
     name: str = Field("jobgen", min_length=1, max_length=200)
-    run_dir: Optional[str] = Field(None, description="defaults to runs/<name>, relative to the submit directory")
+    run_dir: Optional[str] = Field(
+        None, description="defaults to runs/<name>, relative to the submit directory (a name in another script "
+        "than ASCII is written in ASCII with a hash of it, e.g. qwen-cce06f)",
+    )
     resources: Resources = Field(default_factory=Resources)
     launch: Launch = Field(default_factory=Launch)
     environment: Environment = Field(default_factory=Environment)
@@ -587,8 +662,19 @@ class Job(_Strict):
                 f"launch.procs_per_node ({procs}) must equal resources.gpus_per_node ({gpus}): "
                 "one process per GPU; leave procs_per_node unset"
             )
+        twice = nccl.conflict(self.launch, self.environment.variables)
+        if twice:
+            raise ValueError(twice)
         if self.training.method == "qlora" and self.training.zero_stage == 3:
             raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
+        if gpus == 0:
+            # Both are CUDA kernels: on a CPU job they would fail on every node after the queue.
+            if self.training.liger_kernel:
+                raise ValueError("training.liger_kernel: Liger's kernels run on GPUs only; set it false for a CPU job "
+                                 "(resources.gpus_per_node is 0)")
+            if self.training.attention == "flash_attention_2":
+                raise ValueError("training.attention: flash_attention_2 runs on GPUs only; use sdpa or auto for a CPU "
+                                 "job (resources.gpus_per_node is 0)")
         # Each restart of a node range may land on another count; the global batch must split over all.
         uneven = [w for w in self.world_sizes if self.global_batch % w]
         if uneven:
@@ -632,8 +718,30 @@ class Job(_Strict):
 
     @property
     def effective_run_dir(self) -> str:
-        return self.run_dir or f"runs/{_slug(self.name)}"
+        return self.run_dir or f"runs/{self.written_name}"
+
+    @property
+    def written_name(self) -> str:
+        """The name as the scheduler's job name and the run directory take it (written_name())."""
+        return written_name(self.name)
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "job"
+def written_name(name: str) -> str:
+    """`name` in letters, digits, '_', '.' and '-', as schedulers and file systems take it on every
+    site: a name already so is kept; one with other ASCII characters has them made '-' (`my job` is
+    `my-job`, as it always was, so a resubmitted run finds its folder). A name with other letters
+    (`训练-qwen`, `modèle`) keeps what it has in ASCII (accents dropped) and adds a hash of the whole
+    name: dropping the rest would make two jobs one run directory (`训练-qwen` and `微调-qwen` both
+    `qwen`), and a resubmitted job continues from the checkpoints it finds there."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")
+    if name.isascii() and slug:
+        return slug
+    import hashlib
+    import unicodedata
+
+    # NFC first: a name typed with a composed or a decomposed é is one job.
+    same = unicodedata.normalize("NFC", name)
+    digest = hashlib.sha256(same.encode("utf-8")).hexdigest()[:6]
+    ascii_part = unicodedata.normalize("NFKD", same).encode("ascii", "ignore").decode()
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", ascii_part).strip("-.")[:57].rstrip("-.")  # 64 with the hash
+    return f"{readable or 'job'}-{digest}"

@@ -16,7 +16,10 @@ refused now rather than after hours in the queue (`jobgen validate` and `jobgen 
   Face cache) must be one the job can load (jobgen.job.model_config: its model type, its own code
   and training.trust_remote_code, a pre-quantized checkpoint and the packages it needs). A hub
   name that is not complete in the cache the nodes use (jobgen.job.hub_cache) is a warning:
-  nodes with internet download it, others cannot.
+  nodes with internet download it, others cannot. One not staged there is asked of the hub where
+  this machine reaches it (jobgen.job.hub_api, one short request): a name or revision it does not
+  have is refused, and its config is checked as a cached one; where the hub cannot be asked, the
+  warning says what was not checked.
 - `training.chat_template`, when it names a Jinja file, must exist.
 - A record with tools (calls, results, definitions) is refused where the job trains in ChatML,
   which cannot write them: `training.chat_template: chatml`, or the default with a model whose
@@ -159,8 +162,7 @@ def _check_model(job: Job, base: str, warnings: list[str]) -> Optional[str]:
     # The trainer's rule (check_model_reference, run in the working directory): org/name is a hub
     # name unless it exists there or a folder there is named like its first part.
     if HUB_NAME.match(model) and not _exists(path) and not os.path.isdir(os.path.join(base, model.split("/")[0])):
-        _check_hub_model(job, warnings)
-        return _check_model_config(job, model)  # its config in this machine's hub cache, if there
+        return _check_hub_model(job, warnings)
     also = "" if HUB_NAME.match(model) else " (and it is not a hub name like org/name)"
     error, warning = _where_missing("training.model", path, "folder", also)
     if warning:
@@ -182,7 +184,8 @@ def _check_model_config(job: Job, model: str) -> Optional[str]:
 
     try:
         problems = model_config_problems(model, job.training.method, job.training.trust_remote_code,
-                                         job.training.model_revision, job_cache(job.environment.variables))
+                                         job.training.model_revision, job_cache(job.environment.variables),
+                                         job.training.max_length)
     except UserError as error:
         return str(error)
     return "\n".join(problems) or None
@@ -205,13 +208,35 @@ def _check_chat_template(job: Job, base: str, warnings: list[str]) -> Optional[s
     return error
 
 
-def _check_hub_model(job: Job, warnings: list[str]) -> None:
-    """A hub model the nodes' cache lacks is a warning: nodes with internet download it."""
+def _check_hub_model(job: Job, warnings: list[str]) -> Optional[str]:
+    """A hub model's config in the nodes' cache, where it is staged there. One the cache lacks is a
+    warning (nodes with internet download it), and its name, revision and config are asked of the
+    hub where this machine reaches it (jobgen.job.hub_api): a name or revision the hub does not
+    have is refused, as a config that would not load; where the hub cannot be asked, the warning
+    says what was not checked."""
+    from jobgen.job.hub_api import ask_hub, hub_refusal, unreachable_words
     from jobgen.job.hub_cache import job_cache, look_up
+    from jobgen.job.model_config import ModelConfig, check_model_config, native_model_types
 
-    cached = look_up(job.training.model, job.training.model_revision, job_cache(job.environment.variables))
-    if cached.problem():
-        warnings.append(cached.problem())
+    training = job.training
+    cached = look_up(training.model, training.model_revision, job_cache(job.environment.variables))
+    problem = cached.problem()
+    if cached.staged:
+        warnings += [problem] if problem else []
+        return _check_model_config(job, training.model)  # its config in the nodes' cache
+    answer = ask_hub(training.model, training.model_revision)
+    if answer.unreachable:  # one line: what is missing, and what could not be checked for it
+        warnings.append(f"{problem}; {unreachable_words(answer)}, so its name, revision and config (model type, "
+                        "its own code and trust_remote_code) were not checked")
+        return None
+    warnings.append(problem)
+    refusal = hub_refusal(answer)
+    if refusal or answer.config is None:
+        return refusal
+    where = f"{answer.endpoint}/{training.model}/resolve/{answer.commit}/config.json"
+    problems = check_model_config(ModelConfig(where, answer.config), training.model, training.method,
+                                  training.trust_remote_code, native_model_types())
+    return "\n".join(problems) or None
 
 
 def _where_missing(field: str, path: str, kind: str, also: str = "") -> tuple[Optional[str], Optional[str]]:

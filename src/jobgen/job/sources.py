@@ -10,7 +10,8 @@
                data-*.arrow files, Arrow IPC streams): read with pyarrow, a record batch at a
                time, without the `datasets` package
 
-A JSON array is told from JSONL by its first character, not by its name. Records from Parquet and
+A JSON array is told from JSONL by its first character, not by its name; a UTF-8 byte-order mark
+before it is skipped. A CSV, TSV or Excel file is refused by its name, naming what is read. Records from Parquet and
 Arrow come as Python dicts; a field that is null there is left out (a column is shared by every
 record, so a record without the field has it as null), so such a record reads as its JSON twin.
 
@@ -33,6 +34,10 @@ from jobgen.job.textfile import file_not_utf8_message
 CHUNK_RECORDS = 1000  # records a chunk holds: a few MB of parsed conversations
 PYARROW = "pip install pyarrow (or jobgen's train extra)"
 STATE = "state.json"  # what `datasets` writes beside the Arrow files of a saved data set
+READ_FORMATS = ("jobgen reads JSON (an array of records), JSONL (a record a line), Parquet (.parquet) and a folder "
+                "written by datasets' save_to_disk")
+# Tables jobgen does not read, by suffix: the refusal names the formats it does and a conversion.
+TABLE_SUFFIXES = {".csv": "read_csv", ".tsv": "read_csv", ".xlsx": None, ".xls": None}
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,25 @@ def source_kind(path: str, field: str = "training.data") -> str:
                         f"or a folder written by datasets' save_to_disk{_data_files_in(path)}")
     if path.endswith(".parquet"):
         return "parquet"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in TABLE_SUFFIXES:
+        raise UserError(f"{field}: {path!r} is a {suffix[1:].upper()} file, which jobgen does not read; {READ_FORMATS}"
+                        f"{_conversion(path, suffix)}")
     return "json"
+
+
+def _conversion(path: str, suffix: str) -> str:
+    """How to turn a table into Parquet with pyarrow (jobgen's train extra has it)."""
+    if TABLE_SUFFIXES[suffix] is None:
+        return ": save it as CSV, then convert that to Parquet with pyarrow"
+    import shlex
+
+    options = f", parse_options=pacsv.ParseOptions(delimiter={json.dumps(chr(9))})" if suffix == ".tsv" else ""
+    target = os.path.splitext(path)[0] + ".parquet"
+    # Python strings in double quotes, so that the shell's single quotes need no escapes.
+    code = (f"import pyarrow.csv as pacsv, pyarrow.parquet as pq; "
+            f"pq.write_table(pacsv.read_csv({json.dumps(path)}{options}), {json.dumps(target)})")
+    return f": convert it, e.g. python -c {shlex.quote(code)}"
 
 
 def _data_files_in(folder: str, shown: int = 3) -> str:
@@ -133,7 +156,7 @@ def count_records(data: Union[str, Sequence[str]]) -> int:
                 return 0  # reading it says what is wrong
         else:
             with open(path, "rb") as handle:
-                if handle.read(4096).lstrip().startswith(b"["):
+                if handle.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
                     return 0
                 handle.seek(0)
                 total += sum(1 for line in handle if line.strip())
@@ -143,9 +166,14 @@ def count_records(data: Union[str, Sequence[str]]) -> int:
 # --- JSON and JSONL -------------------------------------------------------------------------------
 
 
+# utf-8-sig: a file saved with a byte-order mark (Windows editors, pandas' to_json on Windows)
+# reads as the same text without it.
+TEXT_ENCODING = "utf-8-sig"
+
+
 def _json_chunks(path: str, size: int) -> Iterator[Chunk]:
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding=TEXT_ENCODING) as handle:
             start = handle.read(4096)
             if start.lstrip().startswith("["):  # a JSON array: one document, parsed whole
                 records = parse_array(path, start + handle.read())
@@ -170,9 +198,10 @@ def jsonl_chunks(path: str, lines: Any, size: int) -> Iterator[Chunk]:
             record: Any = json.loads(line)
         except (ValueError, RecursionError) as exc:
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else json_reason(exc)
-            message = f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line"
             if index == 0:  # not JSONL at all (a JSON object over several lines, say): one line, not one per line
-                raise UserError(message) from None
+                raise UserError(f"{path}: line {lineno} is not valid JSON ({reason}), so the file is neither a JSON "
+                                f"array nor JSONL (one object per line); {READ_FORMATS}") from None
+            message = f"{path}: line {lineno} is not valid JSON ({reason}); expected one object per line"
             record = Unreadable(message)
         chunk.append((index, record))
         index += 1

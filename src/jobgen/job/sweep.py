@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from jobgen.errors import JobgenError
 from jobgen.job.layers import ResolvedJob, set_dotted, validated
-from jobgen.job.yamlfile import Sexagesimal, check_shape, parse_yaml, read_yaml_mapping
+from jobgen.job.yamlfile import DuplicateKey, Sexagesimal, check_shape, parse_yaml, read_yaml_mapping
 
 SWEEP_FILE_KEYS = ("grid", "points", "max_running")
 # What the sweep itself decides for every point: where it runs and what the scheduler calls it.
@@ -194,6 +194,8 @@ def _check_key(key: str, where: str) -> None:
 def _read_value(raw: str, where: str) -> Value:
     try:
         value = parse_yaml(raw) if raw else ""
+    except DuplicateKey as error:
+        raise JobgenError(f"{where}: {error.without_lines}") from None
     except ValueError:
         value = raw
     if isinstance(value, Sexagesimal):

@@ -56,6 +56,8 @@ def read_yaml_mapping(path: Path, example_keys: str = "resources:, training:, ..
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise JobgenError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise JobgenError(f"{path}: {_folder_not_file(Path(path))}") from None
     except OSError as error:
         raise JobgenError(f"{path}: cannot read: {error.strerror}") from None
     try:
@@ -74,10 +76,40 @@ def read_yaml_mapping(path: Path, example_keys: str = "resources:, training:, ..
     return data
 
 
+class DuplicateKey(ValueError):
+    """A key given twice in one mapping: YAML would keep the last silently (`epochs: 12` ... `epochs: 3`
+    trains 3 epochs; a second `training:` block drops every value of the first)."""
+
+    def __init__(self, key: str, first_line: int, second_line: int) -> None:
+        self.key = key
+        super().__init__(f"key '{key}' is given twice, at line {first_line} and line {second_line}; {self._fix}")
+
+    _fix = "YAML would keep only the second: keep one"
+
+    @property
+    def without_lines(self) -> str:
+        """The message for a one-line value (`--set`), where line numbers say nothing."""
+        return f"key '{self.key}' is given twice; {self._fix}"
+
+
+def _folder_not_file(path: Path) -> str:
+    found = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))[:4] if path.is_dir() else []
+    holds = f" ({', '.join(found)}{', ...' if len(found) == 4 else ''} here)" if found else ""
+    return f"is a folder, not a YAML file; give the file{holds}"
+
+
 def parse_yaml(text: str) -> Any:
-    """`text` as YAML (the safe subset); ValueError with one line saying where and what is wrong."""
+    """`text` as YAML (the safe subset); ValueError with one line saying where and what is wrong
+    (DuplicateKey for a key given twice in one mapping)."""
+    loader = SafeLoader(text)
     try:
-        return yaml.load(text, Loader=SafeLoader)
+        node = loader.get_single_node()  # what yaml.load does, with the node tree checked in between
+        if node is None:
+            return None
+        _refuse_duplicate_keys(loader, node)
+        return loader.construct_document(node)
+    except DuplicateKey:
+        raise
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -91,6 +123,50 @@ def parse_yaml(text: str) -> Any:
     except Exception as error:  # noqa: BLE001 - a tag's constructor (int, date, binary) fails in its own way
         reason = str(error).split(";")[0].splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(f"invalid YAML: a value cannot be read: {reason}") from None
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(loader: yaml.BaseLoader, root: yaml.Node) -> None:
+    """DuplicateKey naming the dotted key and both lines, at any depth. Walks the node tree once:
+    a node reached again through an alias is not walked again (aliases can expand a small file
+    into millions of values, or contain themselves), and merge keys (`<<: *base`) are left out,
+    since overriding a merged value is what they are for."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str, int]] = [(root, "", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if id(node) in seen or depth > MAX_DEPTH:
+            continue  # check_shape names a too-deep value after construction
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{path}[{index}]", depth + 1) for index, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = _key_of(loader, key_node)
+                line = key_node.start_mark.line + 1
+                dotted = f"{path}.{key}" if path else str(key)
+                if key in first_line:
+                    raise DuplicateKey(dotted, first_line[key], line)
+                if key is not None:
+                    first_line[key] = line
+                stack.append((value_node, dotted, depth + 1))
+
+
+def _key_of(loader: yaml.BaseLoader, node: yaml.Node) -> Any:
+    """The key as the mapping will hold it (`16` and `0x10` are one key), None where it has no
+    simple value (a mapping or list as a key: no job has one)."""
+    if not isinstance(node, yaml.ScalarNode):
+        return None
+    key = loader.construct_object(node)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _unacceptable_character(text: str, character: int) -> str:

@@ -78,9 +78,7 @@ def _active(latest: dict[str, Any]) -> Optional[bool]:
     where it cannot be asked (no scheduler command on this machine) or there is none to ask."""
     try:
         scheduler = get_scheduler(str(latest.get("scheduler")))
-        if scheduler.runs_in_foreground:
-            return False  # its `jobgen submit` returned, so it has ended
-        found = scheduler.state(str(latest.get("job_id")))
+        found = scheduler.state(str(latest.get("job_id")))  # a local job: while its processes live
     except JobgenError:
         return None
     return bool(found) and found.state.upper() in scheduler.active_states

@@ -10,10 +10,12 @@ A sweep's folder draws every point's loss curve in one picture, labelled by its 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.errors import JobgenError
+from jobgen.files import write_output
 from jobgen.rundir.run import find_run
 from jobgen.rundir.metrics import metrics
 from jobgen.rundir.status import KILLED, _epoch, goodput, killed_from_metrics, pair_segments
@@ -67,7 +69,8 @@ def records_by_segment(segments: list[dict[str, Any]], records: list[dict[str, A
     return found
 
 
-def draw(data: dict[str, Any], output: Path) -> None:
+def draw(data: dict[str, Any]) -> bytes:
+    """The run's picture, as PNG."""
     try:
         import matplotlib
     except ImportError:
@@ -106,14 +109,13 @@ def draw(data: dict[str, Any], output: Path) -> None:
     timeline.set_title("segments; goodput " + ("-" if goodput_value is None else f"{goodput_value:.1%}")
                        + " (training time / time the finished segments held their nodes)", fontsize=9)
     figure.tight_layout()
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
+    return _png(figure)
 
 
 def plot(target: str, output: Optional[Path]) -> tuple[Path, dict[str, Any]]:
     data = plot_data(target)
     path = output or Path(data["run_dir"]) / "plot.png"
-    draw(data, path)
+    write_output(path, draw(data))
     return path, data
 
 
@@ -133,7 +135,8 @@ def sweep_plot_data(target: str) -> dict[str, Any]:
     return {"sweep": str(Path(target).resolve()), "points": points}
 
 
-def draw_sweep(data: dict[str, Any], output: Path) -> None:
+def draw_sweep(data: dict[str, Any]) -> bytes:
+    """Every point's loss curve, as PNG."""
     try:
         import matplotlib
     except ImportError:
@@ -150,12 +153,21 @@ def draw_sweep(data: dict[str, Any], output: Path) -> None:
     curves.set_title(f"sweep {Path(data['sweep']).name}: {len(data['points'])} points")
     curves.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
+    return _png(figure)
 
 
 def plot_sweep(target: str, output: Optional[Path]) -> tuple[Path, dict[str, Any]]:
     data = sweep_plot_data(target)
     path = output or Path(data["sweep"]) / "plot.png"
-    draw_sweep(data, path)
+    write_output(path, draw_sweep(data))
     return path, data
+
+
+def _png(figure: Any) -> bytes:
+    """Drawn in memory, so that jobgen.files.write_output writes the file as every -o is written."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()

@@ -5,19 +5,24 @@ metrics.jsonl: step of total, loss, tokens/s, time left) is shown by the reader,
 into any log: on a terminal as one line at the bottom, redrawn in place (carriage return) under
 the log lines; elsewhere (a file, a pipe) as a plain `jobgen: step ...` line per record. The
 trainer's own step lines in a node or rank log are plain lines too; on a terminal they are
-folded into the updating line instead of scrolling.
+folded into the updating line instead of scrolling. While `jobgen submit` shows a job it runs
+itself, a stop jobgen is sent is passed on to the job (StopRequests).
 """
 
 from __future__ import annotations
 
 import codecs
+import io
 import os
 import re
 import selectors
+import signal
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 from jobgen.rundir.metrics import JsonlTail, output_dir
 from jobgen.rundir.files import METRICS_FILE
@@ -31,30 +36,35 @@ CLEAR_LINE = "\r\x1b[K"
 
 
 class Display:
+    """What a person watching sees. On a terminal the progress line stays at the bottom: every
+    other line, the job's or jobgen's own (sys.stderr, see `above`), is printed above it (clear
+    it, print the line, redraw), so no redraw erases a message. A terminal that went away (SIGHUP)
+    is no longer written; the job's output is still read to its end."""
+
     def __init__(self, out: TextIO, tty: bool) -> None:
         self.out, self.tty = out, tty
         self.status = ""  # the progress line shown at the bottom of a terminal
         self.partial = ""
+        self.gone = False
 
     def text(self, data: str) -> None:
         """Log output, in pieces as it arrives: whole lines are shown, the rest waits."""
         lines = (self.partial + data).split("\n")
         self.partial = lines.pop()
-        if not lines:
-            return
         if self.tty:
             lines = [line for line in lines if not TRAINER_STEP_LINE.search(line)]
-            if not lines:
-                return
-            self.out.write(CLEAR_LINE)
-        self.out.write("".join(line + "\n" for line in lines))
-        self._redraw()
+        self.lines(lines)
+
+    def lines(self, lines: list[str]) -> None:
+        """Whole lines, shown above the progress line."""
+        if lines:
+            self._write((CLEAR_LINE if self.tty else "") + "".join(line + "\n" for line in lines))
+            self._redraw()
 
     def progress(self, record: dict) -> None:
         line = describe_progress(record)
         if not self.tty:
-            self.out.write(f"jobgen: {line}\n")
-            self.out.flush()
+            self._write(f"jobgen: {line}\n")
             return
         self.status = line
         self._redraw()
@@ -63,9 +73,25 @@ class Display:
         if self.partial:
             self.text("\n")
         if self.tty and self.status:
-            self.out.write("\n")  # the last progress stays on screen
+            self._write("\n")  # the last progress stays on screen
             self.status = ""
-        self.out.flush()
+
+    @contextmanager
+    def above(self) -> Iterator[None]:
+        """While shown: what jobgen itself writes to a terminal's sys.stdout or sys.stderr (a
+        warning, a stop it was sent) is printed above the progress line, not over it."""
+        if not self.tty:
+            yield
+            return
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = (_LinesAbove(self) if stream.isatty() else stream for stream in saved)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                if isinstance(stream, _LinesAbove):
+                    stream.finish()
+            sys.stdout, sys.stderr = saved
 
     def _redraw(self) -> None:
         if self.tty and self.status:
@@ -74,23 +100,108 @@ class Display:
             except (OSError, ValueError):
                 columns = 0
             width = (columns or 80) - 1  # a terminal that reports no size (0) gets 80
-            self.out.write(CLEAR_LINE + self.status[:width])  # never wider: a wrapped line is not redrawn
-        self.out.flush()
+            self._write(CLEAR_LINE + self.status[:width])  # never wider: a wrapped line is not redrawn
+
+    def _write(self, text: str) -> None:
+        if self.gone:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError:  # the terminal closed (EIO) or the reader of a pipe left (EPIPE)
+            self.gone = True
 
 
-def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextIO) -> None:
-    """Until `process` (whose stdout is a pipe) ends: its output, and the run's progress.
+class _LinesAbove(io.TextIOBase):
+    """sys.stdout or sys.stderr while a Display shows progress: whole lines go above it."""
 
-    Ctrl-C reaches the job's processes too (one terminal group): the job checkpoints and stops,
-    and this goes on showing its output until it has."""
+    def __init__(self, display: Display) -> None:
+        self.display, self.partial = display, ""
+
+    def write(self, text: str) -> int:
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop()
+        self.display.lines(lines)
+        return len(text)
+
+    def finish(self) -> None:
+        if self.partial:
+            self.display.lines([self.partial])
+            self.partial = ""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class StopRequests:
+    """While `jobgen submit` runs a job in its foreground: however jobgen is asked to end (Ctrl-C,
+    `kill -INT` or `-TERM` of it alone, its terminal closing), the job is asked to stop as Ctrl-C
+    asks it (SIGINT to its script: every rank checkpoints at the next step boundary) and jobgen
+    waits for it, so a job never outlives the jobgen that shows it. The script runs in a session
+    of its own (jobgen.schedulers.local), so this is the one way a stop reaches it: once.
+
+    The handlers only record and forward; what to say is printed by the watching loop, for a
+    handler that wrote to the screen could run in the middle of another write to it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.process: Optional["subprocess.Popen[bytes]"] = None
+        self.received: list[int] = []
+        self.told = 0
+        self.forwarded = False
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequests":
+        self.previous = {number: signal.signal(number, self._received) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+    def watching(self, process: "subprocess.Popen[bytes]") -> None:
+        """The job's script, started: a stop asked for before it was is passed on now."""
+        self.process = process
+        self._forward()
+
+    def news(self) -> list[str]:
+        """A line for each signal received since the last call."""
+        first = self.told
+        new, self.told = self.received[first:], len(self.received)
+        lines = []
+        for i, number in enumerate(new, start=first):
+            name = signal.Signals(number).name
+            lines.append(f"jobgen: {name}: stopping the job; waiting for its checkpoint" if i == 0
+                         else f"jobgen: {name}: still waiting for the job to checkpoint and stop")
+        return lines
+
+    def _received(self, number: int, frame: object) -> None:
+        self.received.append(number)
+        self._forward()
+
+    def _forward(self) -> None:
+        if self.received and self.process is not None and not self.forwarded:
+            self.forwarded = True
+            try:
+                os.kill(self.process.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass  # it has ended already
+
+
+def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextIO, stops: StopRequests) -> None:
+    """Until `process` (whose stdout is a pipe) ends: its output, and the run's progress; a stop
+    jobgen is asked for is passed on to it (StopRequests), and its output read to the end."""
+    stops.watching(process)
     display = Display(out, out.isatty())
     tail = JsonlTail(output_dir(run_path) / METRICS_FILE, from_end=True)
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
     open_pipe = True
-    while open_pipe:
-        try:
+    with display.above():
+        while open_pipe:
+            display.lines(stops.news())
             for _ in selector.select(POLL_SECONDS):
                 data = process.stdout.read1(65536)  # type: ignore[union-attr]
                 if not data:
@@ -98,11 +209,9 @@ def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextI
                 display.text(decoder.decode(data, final=not data))
             for record in tail.new_records():
                 display.progress(record)
-        except KeyboardInterrupt:
-            continue
-    for record in tail.new_records():
-        display.progress(record)
-    display.close()
+        for record in tail.new_records():
+            display.progress(record)
+        display.close()
     process.wait()
 
 

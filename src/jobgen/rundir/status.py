@@ -95,12 +95,12 @@ def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def killed_from_metrics(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
     """A killed segment's steps and end as far as the trainer's records show: its first step from
     its start-up record, its last and its end from the last metrics line written before the next
-    start of the job (or that start itself, when it logged none)."""
+    start of the job (or that start itself, when it logged none). Then unreported_steps."""
     from jobgen.rundir.metrics import metrics, startups
 
     killed = [s for s in segments if s["outcome"] == KILLED and s["ended_at"] is None]
-    if not killed:
-        return segments
+    if not killed and all(s["ended_at"] is None or s["last_step"] is not None for s in segments):
+        return segments  # metrics.jsonl, many megabytes in a long run, is read only when needed
     records = metrics(run_path)
     found = {(str(entry.get("job_id")), entry.get("restart")): entry for entry in startups(run_path)}
     for segment in killed:
@@ -116,6 +116,23 @@ def killed_from_metrics(segments: list[dict[str, Any]], run_path: Path) -> list[
         if startup:
             segment["first_step"] = startup.get("first_step")
             segment["last_step"] = segment["last_step"] if segment["last_step"] is not None else startup.get("first_step")
+    return unreported_steps(segments, records, found)
+
+
+def unreported_steps(segments: list[dict[str, Any]], records: list[dict[str, Any]],
+                     startup_of: dict[tuple[str, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """An ended segment whose end names no steps (a hang: the supervisor ended the ranks before
+    they could report them) trained what its own metrics records say: its last step theirs, its
+    first its start-up record's."""
+    for segment in segments:
+        if segment["ended_at"] is None or segment["last_step"] is not None:
+            continue
+        key = (str(segment["job_id"]), segment["restart"])
+        steps = [r["step"] for r in records if isinstance(r.get("step"), int) and (str(r.get("job_id")), r.get("restart")) == key]
+        if steps:
+            segment["last_step"] = max(steps)
+            startup = startup_of.get(key) or {}
+            segment["first_step"] = segment["first_step"] if segment["first_step"] is not None else startup.get("first_step", min(steps) - 1)
     return segments
 
 

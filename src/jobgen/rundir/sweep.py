@@ -28,6 +28,7 @@ from jobgen.job.layers import ResolvedJob
 from jobgen.job.sweep import Point, Sweep
 from jobgen.rundir import files as runfiles
 from jobgen.rundir.run import RunDir
+from jobgen.rundir.progress import StopRequests
 from jobgen.rundir.submission import refuse_if_active, run_dir_for, submit as submit_one
 from jobgen.schedulers import get_scheduler
 from jobgen.script.render import job_yaml, render, render_array
@@ -92,12 +93,21 @@ def submit(planned: SweepPlan, scheduler_name: str, template_dirs: Sequence[Path
         _write_record(planned, scheduler_name, submitted, array_id)
         return submitted
     _write_record(planned, scheduler_name, [])
-    for point, resolved, run in planned.points:
-        if scheduler.runs_in_foreground:
+    if not scheduler.runs_in_foreground:
+        for point, resolved, run in planned.points:
+            job_id, _ = submit_one(resolved, scheduler_name, template_dirs)
+            submitted.append((point, job_id))
+            _write_record(planned, scheduler_name, submitted)
+        return submitted
+    with StopRequests() as stops:  # one point after another, until the last or a stop
+        for point, resolved, run in planned.points:
+            if stops.received:
+                print(f"jobgen: stopped: sweep points {point.index + 1} to {len(planned.points)} not started", file=sys.stderr)
+                break
             print(f"jobgen: sweep point {point.index + 1} of {len(planned.points)}: {point.name}", file=sys.stderr)
-        job_id, _ = submit_one(resolved, scheduler_name, template_dirs)
-        submitted.append((point, job_id))
-        _write_record(planned, scheduler_name, submitted)
+            job_id, _ = submit_one(resolved, scheduler_name, template_dirs, stops)
+            submitted.append((point, job_id))
+            _write_record(planned, scheduler_name, submitted)
     return submitted
 
 

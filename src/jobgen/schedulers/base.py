@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from jobgen.errors import JobgenError
-from jobgen.job.models import Job, _slug
+from jobgen.job.models import Job
 from jobgen.schedulers.state import JobState
 
 
@@ -50,9 +50,10 @@ class Scheduler:
     # `state().state` words (upper case) of a job still queued or running: a second submission
     # into its run directory is refused meanwhile.
     active_states: ClassVar[frozenset[str]] = frozenset()
-    # True where the job runs here, in the foreground: `submit` starts it and leaves it in
-    # `self.process` (a Popen whose stdout is a pipe), which the caller shows until it ends. The
-    # run directory is then the whole record, there is no scheduler to ask, and the command's exit
+    # True where the job runs here, in the foreground: `submit` starts it in a session of its own
+    # and leaves it in `self.process` (a Popen whose stdout is a pipe), which the caller shows
+    # until it ends, passing on any stop it is sent as SIGINT. The run directory is then the
+    # record of its segments, `state` says only whether it still lives, and the command's exit
     # status is the job's.
     runs_in_foreground: ClassVar[bool] = False
 
@@ -155,7 +156,7 @@ class Scheduler:
     @staticmethod
     def job_name(job: Job) -> str:
         # Schedulers restrict names (PBS: no spaces, 236 chars); the full name stays in the header.
-        return _slug(job.name)[:64]
+        return job.written_name[:64]
 
 
 def directive_options(line: str) -> list[tuple[str, str]]:

@@ -1,12 +1,15 @@
 """This machine as N simulated nodes: the same per-node script, each node a local process.
 
 `submit` runs the script in the foreground, its output on the terminal and in
-RUN_DIR/logs/JOB_ID.out; Ctrl-C asks every rank to checkpoint and stop, as a preemption would.
+RUN_DIR/logs/JOB_ID.out; Ctrl-C (or `jobgen cancel JOB_ID`, or any signal that ends that
+`jobgen submit`) asks every rank to checkpoint and stop, as a preemption would. There is no
+queue to ask whether a job lives: its processes are, found by the job id in their environment.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,14 +45,55 @@ class Local(Scheduler):
         log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
         # The script writes its own log (as on every scheduler); its output also goes to the
-        # caller. Ctrl-C: the terminal sends SIGINT to the whole group, and the script
-        # checkpoints and stops while the caller goes on showing its output.
-        self.process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # caller. It runs in a session of its own: a stop reaches it from the caller alone
+        # (jobgen.rundir.progress.StopRequests), however the caller is asked to end, Ctrl-C
+        # included, and the caller goes on showing its output until it has checkpointed.
+        self.process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {self.process.pid}\n")
         return job_id
 
+    active_states = frozenset({"RUNNING"})
+
     def state(self, job_id: str) -> Optional[JobState]:
-        return None  # the run directory's segments say everything about a local run
+        """RUNNING while a process of the job lives here (its script, a node or a rank, even one
+        whose `jobgen submit` was killed); None once none does, so a dead job's record blocks nothing."""
+        found = job_processes(job_id)
+        if not found:
+            return None
+        return JobState(job_id, "RUNNING", reason=f"its script is pid {script_pid(found)}", source="/proc")
 
     def cancel(self, job_id: str) -> None:
-        raise JobgenError("a local job runs in the foreground of its `jobgen submit`: press Ctrl-C there")
+        """What Ctrl-C does: SIGINT to the job's script, which asks every rank to checkpoint and
+        stop; its `jobgen submit` shows that and ends with the job."""
+        found = job_processes(job_id)
+        if not found:
+            raise JobgenError(f"local job {job_id} has ended: nothing to cancel")
+        try:
+            os.kill(script_pid(found), signal.SIGINT)
+        except ProcessLookupError:
+            raise JobgenError(f"local job {job_id} has ended: nothing to cancel") from None
+
+
+def job_processes(job_id: str) -> dict[int, int]:
+    """pid -> parent pid of this machine's processes of local job `job_id`: those with
+    JOBGEN_JOB_ID=job_id in their environment (submit sets it; the script's nodes and ranks
+    inherit it; the id, seconds and jobgen's pid, names one job). A process whose environment
+    cannot be read (another user's) is passed over."""
+    wanted = f"JOBGEN_JOB_ID={job_id}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if wanted not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            found[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile, or not ours
+    return found
+
+
+def script_pid(processes: dict[int, int]) -> int:
+    """The job's script: the process of the job whose parent is not of the job."""
+    return min(pid for pid, parent in processes.items() if parent not in processes)

@@ -20,7 +20,8 @@ from jobgen.job.dump import as_set_yaml, complete_yaml
 from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
 from jobgen.script.checks import check_array_points, check_for_scheduler
-from jobgen.job.models import NETWORK_PRESETS, Job
+from jobgen.job.models import Job
+from jobgen.job.nccl import nccl_exports
 from jobgen.resources import bundled_path
 from jobgen.rundir.files import TEMPLATE_FILES
 from jobgen.schedulers import get_scheduler
@@ -187,6 +188,7 @@ def _render(
     # A plug-in scheduler's own template: after every override, before the bundled templates.
     folders[-1:-1] = [TemplateFolder(f"scheduler {scheduler.name}", path) for path in scheduler.template_dirs()]
     env = template_environment(folders)
+    nccl = nccl_exports(job)
     context = {
         "job": job,
         "version": __version__,
@@ -195,7 +197,8 @@ def _render(
         "site": resolved.site.name,
         "directives": [Raw(line) for line in directives],
         "launcher": launcher,
-        "nccl": nccl_variables(job),
+        "nccl": {name: value for name, (value, _) in nccl.items()},
+        "nccl_reasons": {name: reason for name, (_, reason) in nccl.items()},
         "job_yaml": Raw(as_set_yaml(job)),  # what the job sets: jobgen-train adds the defaults back
         "job_yaml_end": Raw(JOB_YAML_END),
         "node_script_end": Raw(NODE_SCRIPT_END),
@@ -246,17 +249,6 @@ def _template_line(traceback: Optional[TracebackType]) -> Optional[str]:
             where = f"{frame.f_code.co_filename}:{traceback.tb_lineno}"
         traceback = traceback.tb_next
     return where
-
-
-def nccl_variables(job: Job) -> dict[str, str]:
-    if job.resources.gpus_per_node == 0:
-        return {}
-    variables = dict(NETWORK_PRESETS[job.launch.network])
-    if job.launch.socket_ifname:
-        variables["NCCL_SOCKET_IFNAME"] = job.launch.socket_ifname
-    if job.launch.nccl_debug:
-        variables["NCCL_DEBUG"] = job.launch.nccl_debug
-    return variables
 
 
 def _check_heredoc(text: str, terminator: str) -> None:

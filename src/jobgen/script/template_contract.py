@@ -18,7 +18,8 @@ VARIABLES: dict[str, str] = {
     "launcher": "the per-node launcher: srun, pbsdsh, pbs_tmrsh, ssh, mpiexec or local",
     "launchers": "the launcher macros (launchers.sh.j2): launchers[launcher](job) starts node.sh on every node",
     "warnings": "one line each: what the job asks that runs but is probably not meant",
-    "nccl": "NCCL variables of the job's network preset, NAME -> value (empty on CPUs)",
+    "nccl": "NCCL variables of the job's network preset and launch fields, NAME -> value (empty on CPUs)",
+    "nccl_reasons": "NAME -> one line: the field that sets each of nccl's variables and why (jobgen.job.nccl)",
     "files": "the run directory's file names (jobgen.rundir.files), e.g. files.stop_requested",
     "scheduler_env": "the scheduler's own environment variables the job reads (jobgen.schedulers)",
     "node_request_on_host": "PBS Pro and Torque: one node's request naming its host (resource, printf format, "
@@ -33,7 +34,7 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
             {"directives", "job", "launcher", "scheduler", "site", "sweep", "version", "warnings"})),
         "prologue": ("empty: site checks or banners, before anything else runs", frozenset()),
         "environment": ("the job's secrets and exported variables (NCCL's, environment.variables), at the top: "
-                        "they run before the hosts are known", frozenset({"job", "nccl"})),
+                        "they run before the hosts are known", frozenset({"job", "nccl", "nccl_reasons"})),
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),

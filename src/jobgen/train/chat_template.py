@@ -9,9 +9,13 @@ assistant's part of it (assistant_spans):
   it (`return_assistant_tokens_mask`);
 - else the part is found by rendering prefixes, as a Hugging Face user would: assistant message i
   starts where the conversation up to it, rendered with the generation prompt, ends, and ends where
-  the conversation up to and including it ends. Both renderings must be prefixes of the whole
-  conversation's text, and their tokens prefixes of its tokens (no token across a boundary);
+  the conversation up to and including it ends, less a closing the template writes only at the end
+  of a conversation (Phi-3's EOS, where no generation prompt follows): the tokens that rendering
+  shares with the whole conversation, as axolotl finds them, where the rest is exactly the tokens
+  the whole conversation ends with. The first rendering must be a prefix of the whole
+  conversation's text, and each one's tokens a prefix of its tokens (no token across a boundary);
   where either fails, the part cannot be found exactly and NotExact says so, rather than a guess.
+  The ids are apply_chat_template's in every case.
 """
 
 from __future__ import annotations
@@ -136,11 +140,30 @@ def rendered_spans(tokenizer: Any, template: str, messages: Sequence[dict],
         except Exception as exc:  # a template may refuse a conversation that ends early
             raise NotExact(f"rendering the conversation up to message {index} failed: {exc}") from None
         start = _token_boundary(tokenizer, ids, text, before, f"the text before message {index}")
-        end = _token_boundary(tokenizer, ids, text, through, f"message {index}")
+        end = _end_of_message(tokenizer, ids, text, through, index)
         if end <= start:
             raise NotExact(f"message {index} renders as no text of its own")
         learned[start:end] = [True] * (end - start)
     return ids, learned
+
+
+def _end_of_message(tokenizer: Any, ids: list[int], text: str, through: str, index: int) -> int:
+    """Where assistant message `index` ends in `ids`: the end of `through` (the conversation up to
+    and including it), less the closing a template writes only at the end of a conversation (Phi-3's
+    EOS, written when no generation prompt follows). Found as the tokens `through` shares with the
+    whole conversation; the rest must be exactly the tokens the whole conversation ends with (the
+    same closing), else the message itself is written differently and NotExact says so. Where the
+    whole conversation has the closing (its last message), it is inside `through`, so learned."""
+    if text.startswith(through):
+        return _token_boundary(tokenizer, ids, text, through, f"message {index}")
+    own = encode(tokenizer, through)
+    shared = 0
+    while shared < min(len(own), len(ids)) and own[shared] == ids[shared]:
+        shared += 1
+    closing = own[shared:]
+    if not closing or ids[len(ids) - len(closing):] != closing:
+        raise NotExact(f"message {index} is written differently when more of the conversation follows")
+    return shared
 
 
 def _token_boundary(tokenizer: Any, ids: list[int], text: str, prefix: str, what: str) -> int:

@@ -5,9 +5,11 @@ hold "auto" wherever the job decides: batch sizes, gradient accumulation, precis
 weight decay, Adam's betas and epsilon. `training.deepspeed_config` replaces the bundled file, as
 Hugging Face users write one (e.g. the Qwen guide's ds_config_zero2.json, unedited): its values
 must be "auto" (filled as the Hugging Face Trainer fills them), absent, or agree with the job,
-and every one that does not is one line of one error. The job's `lr_schedule` is the one that
-runs: a `scheduler` section of "auto" values gives way to it, and one with values of its own is
-refused (the reference fine-tune's WarmupLR silently overrode the user's cosine schedule). An
+and every one that does not is one line of one error. A `scheduler` section of "auto" values runs
+as the Hugging Face Trainer runs it (WarmupLR: constant after the warmup, WarmupDecayLR: linear
+decay, WarmupCosineLR: cosine), its params filled from the job; `validate` says so where it
+differs from `lr_schedule`. One with values of its own is refused (the reference fine-tune's
+WarmupLR silently overrode the user's cosine schedule). An
 optimizer DeepSpeed would compile an op for as the job starts is said in one line
 (compiled_op_notice), by `validate` and in the start-up log.
 """
@@ -52,6 +54,15 @@ def _read(path: str) -> dict:
     return config
 
 
+# transformers' integrations.deepspeed: each 'auto' ZeRO size as a function of hidden_size.
+HIDDEN_SIZE_AUTOS = {
+    "reduce_bucket_size": lambda hidden: hidden * hidden,
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
+# DeepSpeed's schedulers whose 'auto' params the Hugging Face Trainer fills (warmup, learning
+# rate, total steps), and jobgen's lr_schedule of the same shape after the warmup.
+FOLLOWED_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 # What the Hugging Face Trainer fills a "gradient_clipping": "auto" with (its max_grad_norm default).
 DEFAULT_GRADIENT_CLIPPING = 1.0
@@ -65,12 +76,14 @@ COMPILED_OPTIMIZERS = {
 
 
 def build_config(training: Training, world_size: int, precision: str, user_path: str | None,
-                 micro: int | None = None, accumulation: int | None = None, hidden_size: int | None = None) -> dict:
+                 micro: int | None = None, accumulation: int | None = None, hidden_size: int | None = None,
+                 no_hidden_size: str = "") -> dict:
     """The resolved config dict for `deepspeed.initialize`; `precision` is what actually runs;
     `micro` x `accumulation` x `world_size` is the global batch (default: the job's fields).
     'auto' is filled as the Hugging Face Trainer fills it (the ZeRO bucket sizes from the model's
-    `hidden_size`); a value that disagrees with the job, or an 'auto' nothing fills, is one line
-    each of one UserError."""
+    `hidden_size`; `no_hidden_size` says why there is none, where the model's config is not
+    here); a value that disagrees with the job, or an 'auto' nothing fills, is one line each of
+    one UserError."""
     path = user_path or bundled_config_path(training.zero_stage)
     config = copy.deepcopy(_read(path))
     problems: list[str] = []
@@ -91,13 +104,7 @@ def build_config(training: Training, world_size: int, precision: str, user_path:
     fill(["optimizer", "params", "weight_decay"], training.weight_decay, "training.weight_decay")
     fill(["optimizer", "params", "betas"], [training.adam_beta1, training.adam_beta2], "training.adam_beta1/adam_beta2")
     fill(["optimizer", "params", "eps"], training.adam_epsilon, "training.adam_epsilon")
-    zero = config.get("zero_optimization")
-    if hidden_size and isinstance(zero, dict):  # transformers' integrations.deepspeed fills these so
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
-            if zero.get(key) == "auto":
-                zero[key] = value
+    _fill_bucket_sizes(config, path, hidden_size, no_hidden_size, problems)
     problems += [f"training.deepspeed_config: {path} has 'auto' at {where}, which jobgen does not fill; give a value"
                  for where in _find_autos(config)]
     if problems:
@@ -105,23 +112,78 @@ def build_config(training: Training, world_size: int, precision: str, user_path:
     return config
 
 
+def _fill_bucket_sizes(config: dict, path: str, hidden_size: int | None, no_hidden_size: str, problems: list[str]) -> None:
+    """The ZeRO sizes transformers' integrations.deepspeed fills from the model's hidden_size;
+    without one, one line for them all that says why (the model's config not here, usually)."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    autos = [key for key in HIDDEN_SIZE_AUTOS if zero.get(key) == "auto"]
+    if autos and not hidden_size:
+        where = ", ".join(f"zero_optimization.{key}" for key in autos)
+        problems.append(f"training.deepspeed_config: {path} has 'auto' at {where}, which the model's hidden_size fills "
+                        f"(as the Hugging Face Trainer does), and {no_hidden_size or 'the model has none'}")
+        for key in autos:
+            del zero[key]  # said here, not again as an 'auto' nothing fills
+        return
+    for key in autos:
+        zero[key] = HIDDEN_SIZE_AUTOS[key](hidden_size)
+
+
 def _scheduler(config: dict, training: Training, path: str, problems: list[str]) -> None:
-    """A 'scheduler' section of 'auto' values (as the Hugging Face examples write it) gives way to
-    the job's lr_schedule; one with values of its own would override it (the reference fine-tune's
-    WarmupLR silently replaced the user's cosine schedule), so it is refused."""
+    """A 'scheduler' section of 'auto' values (as the Hugging Face examples write it) is followed,
+    as the Hugging Face Trainer follows it (followed_schedule), and left out of the config
+    DeepSpeed gets: jobgen runs that shape itself, so a resume restores it exactly. One with values
+    of its own, or of a type the Trainer does not fill, is refused (the reference fine-tune's
+    WarmupLR of its own values silently replaced the user's cosine schedule)."""
     section = config.get("scheduler")
     if section is None:
         return
     params = section.get("params") if isinstance(section, dict) else None
     del config["scheduler"]  # either way, said once here and not again for its 'auto' values
-    if isinstance(params, dict) and params and all(value == "auto" for value in params.values()):
-        return
     kind = section.get("type", "?") if isinstance(section, dict) else "?"
+    all_auto = isinstance(params, dict) and all(value == "auto" for value in params.values())
+    if all_auto and kind in FOLLOWED_SCHEDULERS:
+        return
+    if all_auto:
+        problems.append(
+            f"training.deepspeed_config: {path} has a 'scheduler' of type {kind!r}, which jobgen does not follow; "
+            f"use {', '.join(FOLLOWED_SCHEDULERS)} (their 'auto' params filled from the job), or remove it and set "
+            "training.lr_schedule"
+        )
+        return
     problems.append(
         f"training.deepspeed_config: {path} has a 'scheduler' section ({kind}) with values of its own, which would "
-        f"override training.lr_schedule ({training.lr_schedule}); remove it (or set its params to \"auto\") and set "
-        "lr_schedule and warmup_steps or warmup_ratio in the job"
+        f"override the job's learning_rate and warmup; set its params to \"auto\" (filled from the job, as the "
+        "Hugging Face Trainer fills them), or remove it and set lr_schedule and warmup_steps or warmup_ratio in the job"
     )
+
+
+def followed_schedule(training: Training, base: str = "") -> tuple[str, str] | None:
+    """(type, lr_schedule) where training.deepspeed_config (relative to `base`) has a 'scheduler'
+    section of 'auto' values that jobgen follows: its shape after the warmup, as the Hugging Face
+    Trainer runs it (the job's learning_rate and warmup fill its params; jobgen's warmup is linear,
+    where DeepSpeed's default is log). None where there is none (training.lr_schedule runs)."""
+    if not training.deepspeed_config:
+        return None
+    section = _read(os.path.join(base, training.deepspeed_config)).get("scheduler")
+    kind = section.get("type") if isinstance(section, dict) else None
+    params = section.get("params") if isinstance(section, dict) else None
+    if kind not in FOLLOWED_SCHEDULERS or not isinstance(params, dict) or any(v != "auto" for v in params.values()):
+        return None
+    return kind, FOLLOWED_SCHEDULERS[kind]
+
+
+def schedule_notice(training: Training, path: str, base: str = "") -> str | None:
+    """One line where the DeepSpeed JSON's scheduler runs in place of a different training.lr_schedule."""
+    followed = followed_schedule(training, base)
+    if followed is None or followed[1] == training.lr_schedule:
+        return None
+    kind, shape = followed
+    after = {"constant": "constant", "linear": "a linear decay to 0", "cosine": "a cosine decay to 0"}[shape]
+    return (f"training.deepspeed_config: {path}: its scheduler {kind} runs, as in the Hugging Face Trainer: the job's "
+            f"warmup to learning_rate, then {after} (lr_schedule {shape}); training.lr_schedule "
+            f"({training.lr_schedule}) is not used: remove the 'scheduler' section for it to decide")
 
 
 class _Filler:
@@ -198,9 +260,19 @@ def check_job_deepspeed(job: Job, base: str) -> list[str]:
         micro, accumulation = training.per_device_batch_size, training.gradient_accumulation
     cache = job_cache(job.environment.variables)
     model = find_model_config(os.path.join(base, training.model)) or find_model_config(training.model, training.model_revision, cache)
-    config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}))
-    notice = compiled_op_notice(config, path)
-    return [notice] if notice else []
+    config = build_config(training, world, training.precision, path, micro, accumulation, hidden_size_of(model.data if model else {}),
+                          no_hidden_size(training.model, model.path if model else None, f"the cache the nodes use ({cache.chosen_by})"))
+    notices = [compiled_op_notice(config, path), schedule_notice(training, path)]
+    return [notice for notice in notices if notice]
+
+
+def no_hidden_size(model: str, config_path: str | None, cache_words: str) -> str:
+    """Why the model's hidden_size is not known where `cache_words` is the hub cache looked in:
+    its config.json has none, or (a hub model) is not there to read it from; with the fix."""
+    if config_path is not None:
+        return f"its config.json ({config_path}) has no hidden_size: give values"
+    return (f"{model}'s config.json is not in {cache_words} to read it from: stage the model there with "
+            "`jobgen prepare JOB.yaml` (the nodes then fill them from it as the job starts), or give values")
 
 
 def hidden_size_of(model_config: dict) -> int | None:

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Optional
 
 from jobgen.job import hub_cache
+from jobgen.job.hub_api import check_downloadable
 from jobgen.job.models import Training
 from jobgen.errors import UserError
 
@@ -52,19 +53,27 @@ def use_hub_cache(model: str, revision: str) -> Optional[hub_cache.CachedModel]:
     if not cached.staged and _offline():
         raise UserError(cached.problem(offline=_offline()))
     if not cached.staged:
+        # Asked once, so a node that cannot reach the hub says so at once, not after a minute of retries.
+        check_downloadable(cached, f"stage it into the nodes' cache with {hub_cache.FIX.removeprefix('run ')}")
         log.info("training.model %s is not in this node's cache (%s): each node downloads it from the hub",
                  cached.at(), cached.cache.chosen_by)
         return cached
     if cached.missing:
         raise UserError(cached.problem())
+    go_offline()
+    log.info("training.model %s: commit %s from the cache (%s); HF_HUB_OFFLINE=%s", cached.at(), cached.commit,
+             cached.cache.chosen_by, os.environ.get("HF_HUB_OFFLINE", ""))
+    return cached
+
+
+def go_offline() -> None:
+    """HF_HUB_OFFLINE=1 for what this process loads from the cache, unless the job or the user set
+    it: a staged model loads without asking the hub for each file."""
     if not hub_cache.user_set_offline(os.environ):
         os.environ["HF_HUB_OFFLINE"] = "1"
         constants = sys.modules.get("huggingface_hub.constants")
         if constants is not None:  # read at its import: set it there too
             constants.HF_HUB_OFFLINE = True
-    log.info("training.model %s: commit %s from the cache (%s); HF_HUB_OFFLINE=%s", cached.at(), cached.commit,
-             cached.cache.chosen_by, os.environ.get("HF_HUB_OFFLINE", ""))
-    return cached
 
 
 def load_tokenizer(model: str, revision: str = hub_cache.DEFAULT_REVISION, trust_remote_code: bool = False) -> Any:
@@ -112,11 +121,15 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
         )
     if _zero3_config is None:
         kwargs["device_map"] = {"": device}
+    if training.attention != "auto":
+        kwargs["attn_implementation"] = training.attention
     try:
         model = AutoModelForCausalLM.from_pretrained(training.model, revision=training.model_revision, **kwargs)
     except Exception as exc:
         raise UserError(_load_error("", training.model, training.model_revision, exc)) from None
     model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
+    if training.liger_kernel:
+        _apply_liger(model, training.model)
     if training.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -142,6 +155,25 @@ def load_model(training: Training, precision: str, device: Any, ds_config: dict 
     if training.method in ("lora", "qlora"):
         model = _add_lora(model, training)
     return model
+
+
+def _apply_liger(model: Any, name: str) -> None:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels in the loaded model's modules, before LoRA wraps its
+    linear layers. Not its fused cross-entropy: jobgen computes the loss from the logits itself
+    (trainer._token_loss_sum, chunked), so the loss and its resume stay the same code on every device."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        raise UserError(f"training.liger_kernel: the liger-kernel package is not importable on this node "
+                        f"({_first_line(exc)}): pip install liger-kernel, or set liger_kernel false") from None
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise UserError(f"training.liger_kernel: Liger has no kernels for {name!r} (model_type {model_type!r}); "
+                        f"it knows {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}: set liger_kernel false")
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    log.info("training.liger_kernel: Liger's RMSNorm, SwiGLU and RoPE kernels in %s (%s)", name, model_type)
 
 
 def prequantized(training: Training) -> str | None:

@@ -22,7 +22,7 @@ from jobgen.rundir.files import MODEL_COMMIT
 from jobgen.rundir.model_pin import needs_pin, pin_commit, pinned_commit
 from jobgen.train.chat_template import CHATML, TOKENIZER
 from jobgen.train.distributed import Placement, place
-from jobgen.train.dsconfig import build_config, digest, hidden_size_of, without_split
+from jobgen.train.dsconfig import build_config, digest, followed_schedule, hidden_size_of, no_hidden_size, without_split
 from jobgen.train.modeling import use_hub_cache
 from jobgen.train.store import check_data_path
 
@@ -47,6 +47,9 @@ RESUME_SAFE_FIELDS = {
     "trust_remote_code",
     # What is measured, not what trains (eval_fraction, which takes data from training, is not here).
     "eval_data", "eval_interval", "keep_best",
+    # Which kernels compute the same model, not what it computes: a checkpoint resumes with others
+    # (exactly only with the same ones, as their roundings differ).
+    "attention", "liger_kernel",
 }
 
 
@@ -71,10 +74,15 @@ def resume_settings(training: Training) -> dict:
     return settings
 
 
-def model_hidden_size(model: str, revision: str) -> Optional[int]:
-    """For a DeepSpeed config's 'auto' ZeRO bucket sizes; None where the config is not here."""
+def model_hidden_size(model: str, revision: str) -> dict:
+    """build_config's keywords for a DeepSpeed config's 'auto' ZeRO bucket sizes: the model's
+    hidden_size from its config in this node's cache, or why there is none."""
     config = find_model_config(model, revision)
-    return hidden_size_of(config.data) if config else None
+    size = hidden_size_of(config.data) if config else None
+    if size:
+        return {"hidden_size": size}
+    where = f"this node's cache ({environment_cache().chosen_by})"
+    return {"no_hidden_size": no_hidden_size(model, config.path if config else None, where)}
 
 
 def debug_step_delay() -> float:
@@ -126,11 +134,15 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)
     check_model_reference(resolved.model)
+    followed = followed_schedule(resolved)  # the DeepSpeed JSON's scheduler, as the Hugging Face Trainer runs it
+    if followed:
+        resolved = resolved.model_copy(update={"lr_schedule": followed[1]})
     state_fields = resume_settings(resolved)  # the job's revision, not the commit it is pinned to
     # Before anything reads the hub's settings; the model, its tokenizer and the store's key at
     # the run's pinned commit, where a branch names it.
     resolved = resolved.model_copy(update={"model_revision": _pinned_revision(run_dir, resolved)})
-    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code, resolved.model_revision)
+    problems = model_config_problems(resolved.model, training.method, training.trust_remote_code, resolved.model_revision,
+                                     max_length=training.max_length)
     if problems:
         raise UserError("\n".join(problems))
     if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -147,7 +159,7 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
     # Checks the config; jobgen.train.trainer's Trainer.run builds the one that runs once it knows the global batch (a
     # checkpoint's, when resuming) and how this world size splits it.
     ds_config = build_config(resolved, world_size, precision, resolved.deepspeed_config,
-                             hidden_size=model_hidden_size(resolved.model, resolved.model_revision))
+                             **model_hidden_size(resolved.model, resolved.model_revision))
     return Prepared(
         job=job,
         training=resolved,

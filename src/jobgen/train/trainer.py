@@ -123,7 +123,7 @@ class Trainer:
             )
             self.p.ds_config = build_config(
                 t, dist.world_size, self.p.precision, t.deepspeed_config, self.micro, self.accumulation,
-                model_hidden_size(t.model, t.model_revision),
+                **model_hidden_size(t.model, t.model_revision),
             )
             notice = compiled_op_notice(self.p.ds_config, t.deepspeed_config or "the bundled config")
             if notice and dist.is_main:
@@ -215,7 +215,7 @@ class Trainer:
             log.info(
                 "%s, ZeRO-%d, %s, world %d, %d steps (%d per epoch), %d trainable parameters in %s",
                 t.method, t.zero_stage, self.p.precision, dist.world_size, total_steps, steps_per_epoch,
-                sum(p.numel() for p in trainable), _dtype_names(engine.module),
+                _count(trainable), _dtype_names(engine.module),
             )
             log.info("global batch %d = %d ranks x micro-batch %d x %d accumulation", self.global_batch,
                      dist.world_size, self.micro, self.accumulation)
@@ -614,6 +614,11 @@ def check_finite(step: int, losses: list[float], checkpoint: Optional[str]) -> N
             f"training diverged at step {step}: the loss is not finite (lower "
             f"training.learning_rate, or use bf16 instead of fp16); the last checkpoint, {checkpoint or 'none'}, is kept"
         )
+
+
+def _count(parameters: list) -> int:
+    """Elements of the whole parameters: under ZeRO-3 a rank's tensor is empty and ds_numel counts them."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
 
 
 def _dtype_names(module: Any) -> str:
