@@ -30,7 +30,7 @@ def job_file(tmp_path: Path, launch: dict | None = None, variables: dict | None 
 
 def exports(script: str) -> list[str]:
     """The job's exported NAME=VALUE lines, each with the comment line above it, if any."""
-    lines = script.split("# The job, where jobgen-train reads it on every node.")[0].splitlines()
+    lines = script.split("\njobgen_node_script() {")[0].splitlines()  # the environment, above what each node runs
     found = []
     for index, line in enumerate(lines):
         if re.match(r"export [A-Z0-9_]+=", line):

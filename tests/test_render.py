@@ -281,7 +281,7 @@ def test_names_in_other_scripts_keep_two_jobs_apart_and_say_how_they_are_written
         result = jobgen("render", "-s", "slurm", str(config))
         assert result.returncode == 0, result.stderr
         [job_name] = re.findall(r"^#SBATCH --job-name=(.*)$", result.stdout, re.M)
-        [run_dir] = re.findall(r"^JOBGEN_RUN_DIR=\$\(realpath -m (.*)\)$", result.stdout, re.M)
+        [run_dir] = re.findall(r"^jobgen_run_dir=(.*)$", result.stdout, re.M)
         assert run_dir == f"runs/{job_name}"
         assert f"jobgen: warning: name '{name}' is written '{job_name}' for the scheduler's job name and the run " \
                f"directory runs/{job_name}" in result.stderr
@@ -298,5 +298,5 @@ def test_names_in_other_scripts_keep_two_jobs_apart_and_say_how_they_are_written
 
 def test_a_name_schedulers_take_is_written_as_it_is_and_not_mentioned(tmp_path: Path) -> None:
     result = jobgen("render", "-s", "pbs", str(write_job(tmp_path / "job.yaml", {**cpu_job(), "name": "llama3-8b_lora.v2"})))
-    assert "#PBS -N llama3-8b_lora.v2\n" in result.stdout and "JOBGEN_RUN_DIR=$(realpath -m runs/llama3-8b_lora.v2)" in result.stdout
+    assert "#PBS -N llama3-8b_lora.v2\n" in result.stdout and "\njobgen_run_dir=runs/llama3-8b_lora.v2\n" in result.stdout
     assert "is written" not in result.stderr
