@@ -240,7 +240,10 @@ def test_stand_in_pbs_jobgens_own_variables_reach_every_node_without_the_script_
     # variables do, and no rendered script names it for a reviewing admin to ask about.
     job = probe_job(2, 1)
     job["environment"]["setup"] = ['echo "${JOBGEN_DEBUG_STEP_DELAY:-unset}" > "$JOBGEN_RUN_DIR/delay-$NODE_RANK"']
-    result = run_pbs_script(tmp_path, flavour, job, nodefile, {**stand_in_pbs, "JOBGEN_DEBUG_STEP_DELAY": "0.25"})
+    # A job id of its own: the master port follows from it, and other stand-in jobs use 123's.
+    job_id = {"pbs": "4711.fakeserver", "torque": "4712.fakeserver"}[flavour]
+    env = {**stand_in_pbs, "PBS_JOBID": job_id, "JOBGEN_DEBUG_STEP_DELAY": "0.25"}
+    result = run_pbs_script(tmp_path, flavour, job, nodefile, env)
     assert result.returncode == 0, result.stdout
     run_dir = tmp_path / "runs" / "pbs-probe"
     assert [(run_dir / f"delay-{node}").read_text() for node in (0, 1)] == ["0.25\n", "0.25\n"]
