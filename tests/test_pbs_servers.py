@@ -245,11 +245,11 @@ def test_openpbs_every_rank_is_wired_and_has_the_module(openpbs: PbsServer, laun
     assert fields["exec_vnode"].count("(vm") == 2
     assert_every_rank_wired(openpbs, run_dir)
     log = logs(openpbs, folder, run_dir)
-    assert f"jobgen: job {job_id} (restart 0) on vm" in log and "jobgen: training completed at step 0" in log
+    assert f"jobgen: job {job_id} (restart 0) on vm" in log and "jobgen: probe completed: " in log
     for node in (0, 1):
         assert f"node {node} of 2" in logs(openpbs, folder, run_dir, "--node", str(node))
     # The server's own output file holds the same batch log, where PBS puts it.
-    assert "jobgen: training completed" in (folder / f"jobgen-test-wired.o{job_id.split('.')[0]}").read_text()
+    assert "jobgen: probe completed: " in (folder / f"jobgen-test-wired.o{job_id.split('.')[0]}").read_text()
     assert [s["outcome"] for s in status(openpbs, folder, str(run_dir))["segments"]] == ["completed"]
 
 
@@ -365,10 +365,10 @@ def test_torque_every_rank_is_wired_and_has_the_module(torque: PbsServer, how: s
     run_dir = run_dir_of(folder, job)
     assert_every_rank_wired(torque, run_dir)
     log = logs(torque, folder, run_dir)
-    assert "jobgen: job " in log and " on tq" in log and "jobgen: training completed at step 0" in log, log
+    assert "jobgen: job " in log and " on tq" in log and "jobgen: probe completed: " in log, log
     # Torque's own output file, in the submit folder, owned by the job's user.
     output = folder / f"jobgen-test-wired.o{job_id.split('.')[0]}"
-    assert "jobgen: training completed" in output.read_text() and output.owner() == torque.user
+    assert "jobgen: probe completed: " in output.read_text() and output.owner() == torque.user
     assert [s["outcome"] for s in status(torque, folder, str(run_dir))["segments"]] == ["completed"]
 
 
