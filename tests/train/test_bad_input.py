@@ -82,7 +82,7 @@ def test_deepspeed_config_with_a_scheduler_is_refused(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}))
     with pytest.raises(UserError, match=r"has a 'scheduler' section \(WarmupLR\) with values of its own, which would "
-                                        r"override training.lr_schedule"):
+                                        r"override the job's learning_rate and warmup; set its params to \"auto\""):
         build_config(_training(), 2, "fp32", str(config))
 
 
