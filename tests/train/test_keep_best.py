@@ -17,11 +17,13 @@ import yaml
 
 from tests.helpers import jobgen
 
-# A learning rate so high that the held-out loss goes up again at the last step (5): with seed 1's
-# order and held-out records, 5.887 5.852 5.833 5.773 5.788 on torch 2.13's CPU build, so the
-# best (step 4) is not the last step; an evaluation at every step, and no periodic checkpoint.
+# A learning rate so high that the held-out loss goes up again at the last step (5): with seed 3's
+# order and held-out records, 5.970 5.931 5.809 5.777 5.781 on torch 2.13's CPU build with
+# transformers 5.24, so the best (step 4) is not the last step; an evaluation at every step, and no
+# periodic checkpoint. (Seed 1 gave 5.887 5.852 5.833 5.773 5.788 with an earlier transformers and
+# 5.887 5.852 5.827 5.768 5.758, best last, with 5.24: the tiny model's numbers move with it.)
 STEPS = 5
-SETTINGS = dict(eval_fraction=0.25, seed=1, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
+SETTINGS = dict(eval_fraction=0.25, seed=3, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
                 max_steps=STEPS, learning_rate=1.0, lr_schedule="constant", max_length=96)
 
 
