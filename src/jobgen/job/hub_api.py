@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from jobgen.errors import UserError
-from jobgen.job.hub_cache import DEFAULT_REVISION, OFFLINE_VARIABLES, CachedModel
+from jobgen.job.hub_cache import DEFAULT_REVISION, OFFLINE_VARIABLES, CachedModel, hf_home
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PROBE_SECONDS = 5.0  # a hub that answers does so in well under a second; a firewall that drops packets never does
@@ -195,8 +195,7 @@ def _get(url: str, token: Optional[str], timeout: float) -> tuple[Optional[int],
 def _token(env: Mapping[str, str]) -> Optional[str]:
     if env.get("HF_TOKEN"):
         return env["HF_TOKEN"]
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    path = env.get("HF_TOKEN_PATH") or os.path.join(os.path.expanduser(home), "token")
+    path = env.get("HF_TOKEN_PATH") or os.path.join(hf_home(env), "token")
     try:
         with open(path, encoding="utf-8") as handle:
             return handle.read().strip() or None

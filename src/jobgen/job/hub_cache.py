@@ -86,11 +86,17 @@ def hub_cache(env: Mapping[str, str]) -> HubCache:
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(name) is not None:
             return HubCache(_expand(env[name]), f"{name}={env[name]}")
+    path = os.path.join(hf_home(env), "hub")
     if env.get("HF_HOME") is not None:
-        return HubCache(os.path.join(_expand(env["HF_HOME"]), "hub"), f"HF_HOME={env['HF_HOME']}")
-    base = env.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    path = os.path.join(_expand(base), "huggingface", "hub")
+        return HubCache(path, f"HF_HOME={env['HF_HOME']}")
     return HubCache(path, f"the default cache {path}")
+
+
+def hf_home(env: Mapping[str, str]) -> str:
+    """huggingface_hub's home folder (its token and, unless HF_HUB_CACHE moves it, hub/)."""
+    if env.get("HF_HOME") is not None:
+        return _expand(env["HF_HOME"])
+    return os.path.join(_expand(env.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))), "huggingface")
 
 
 def job_cache(variables: Mapping[str, str]) -> HubCache:
