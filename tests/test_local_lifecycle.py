@@ -88,3 +88,31 @@ def test_a_local_run_ends_with_its_jobgen_and_blocks_a_second_submit_while_it_li
             if resumed.poll() is None:
                 signal_all(with_environment("JOBGEN_JOB_ID", newest) + [resumed.pid], signal.SIGKILL)
         assert "is still running" not in said and _events(run_dir) >= 4, said
+
+
+def test_a_sigterm_during_a_time_limit_stop_keeps_the_time_limit_as_the_outcome(tmp_path: Path) -> None:
+    """Slurm's warning (USR1) asks for the checkpoint; when the ranks are still writing it at the
+    limit, Slurm's SIGTERM follows. The segment stopped at its time limit (and is requeued as
+    such), not by a cancel."""
+    submit = _job(tmp_path)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5",
+           "XDG_STATE_HOME": str(tmp_path / "state")}
+    run_dir = tmp_path / "runs" / "lifecycle"
+    first = subprocess.Popen(submit, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = "-"
+    try:
+        _wait_for(lambda: _logged_step(run_dir) >= 2 or first.poll() is not None, "step 2", 180)
+        job_id, script_pid = (run_dir / "local.pid").read_text().split()
+        os.kill(int(script_pid), signal.SIGUSR1)  # the warning: requeue.signal's default
+        log = run_dir / "logs" / f"{job_id}.out"
+        _wait_for(lambda: "time_limit: asking" in log.read_text(), "the warning to be taken", 30)
+        os.kill(int(script_pid), signal.SIGTERM)  # the time limit itself, before the checkpoint is done
+        _, said = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            signal_all(with_environment("JOBGEN_JOB_ID", job_id) + [first.pid], signal.SIGKILL)
+    assert "jobgen: time_limit: asking every rank to checkpoint" in said, said
+    assert "jobgen: terminated while stopping for time_limit" in said, said
+    status = json.loads(jobgen("status", "--json", str(run_dir)).stdout)
+    assert status["segments"][-1]["outcome"] == "time_limit", status["segments"]
+    assert 2 <= status["step"] < STEPS
