@@ -1,5 +1,6 @@
 import os
 import shutil
+from collections import defaultdict
 
 import pytest
 
@@ -16,3 +17,30 @@ def shellcheck() -> str:
     if path is None:
         pytest.fail("shellcheck is not installed: apt-get install -y shellcheck (scripts/setup-tests does it)")
     return path
+
+
+# scripts/test runs the tests side by side (pytest-xdist, --dist loadgroup) in units that wait on
+# different things: the tests of the Slurm cluster, one after another (their jobs would queue
+# behind each other's), those of the PBS servers, and the CPU-bound rest a module at a time, so
+# that a module's own fixtures are made once; the modules sharing a costly session fixture go
+# together. The cluster units come first: they are the longest, and start at once.
+UNIT_BY_FIXTURE = {"slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
+MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
+FIRST = ("slurm", "pbs")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    module_unit = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        shared = [MODULES_BY_FIXTURE[name] for name in item.fixturenames if name in MODULES_BY_FIXTURE]
+        if shared or module not in module_unit:
+            module_unit[module] = shared[0] if shared else module
+    for item in items:
+        cluster = [UNIT_BY_FIXTURE[name] for name in item.fixturenames if name in UNIT_BY_FIXTURE]
+        item.add_marker(pytest.mark.xdist_group(cluster[0] if cluster else module_unit[item.nodeid.split("::")[0]]))
+    items.sort(key=lambda item: FIRST.index(_unit(item)) if _unit(item) in FIRST else len(FIRST))
+
+
+def _unit(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
