@@ -83,6 +83,40 @@ def test_a_slurm_job_that_cannot_be_placed_without_its_excluded_nodes_says_so(tm
     assert not (run_dir / "job.slurm-continuation.sh").exists()
 
 
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_slurm_job_failing_the_same_way_at_every_start_stops_as_a_restart_storm(tmp_path: Path) -> None:
+    """Every node fails its setup (exit 75): each segment is continued without its node, never
+    getting a step further. The second such segment in a row stops the job, with its own exit
+    status, instead of spending the rest of requeue.max_restarts on allocations."""
+    from tests.test_slurm_requeue import job_fields, wait_for, wait_until_done
+
+    config = probe_job(tmp_path, "jobgen-test-storm", ["exit 75"], nodes=1, partition="debug")
+    job = yaml.safe_load(config.read_text())
+    job["requeue"] = {"max_restarts": 5, "max_restarts_without_progress": 2}
+    config.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "runs" / "jobgen-test-storm"
+    out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(config)], cwd=tmp_path,
+                         env={**os.environ, "PATH": VENV_PATH}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+    def ended_for_good() -> bool:
+        return (run_dir / "segments.jsonl").exists() and outcomes(run_dir)[-1:] == ["restart_storm"]
+    wait_for(ended_for_good, "the second segment to stop the job", timeout=600)
+    last_job = json.loads((run_dir / "segments.jsonl").read_text().splitlines()[-1])["job_id"]
+    assert wait_until_done(last_job) == "FAILED"
+    assert job_fields(last_job)["ExitCode"] == "77:0"
+    assert outcomes(run_dir) == ["node_failed", "restart_storm"]
+    excluded = (run_dir / "excluded-nodes").read_text().split()
+    assert len(excluded) == 2
+    log = jobgen("logs", str(run_dir)).stdout
+    assert ("jobgen: not requeued: a restart storm: 2 segments in a row ended without a first complete checkpoint "
+            f"(node_failed, node_failed; nodes named: {' '.join(sorted(excluded))}; requeue.max_restarts_without_progress is 2)") in log, log
+    assert "restart_storm" in jobgen("status", str(run_dir)).stdout
+    assert not [j for j in subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
+                if j == "jobgen-test-storm"]  # no third continuation waits
+
+
 def test_a_probe_that_completes_says_what_it_found_not_a_training_step(tmp_path: Path) -> None:
     run_dir, output = run_local(tmp_path, [])
     assert outcomes(run_dir) == ["completed"], output

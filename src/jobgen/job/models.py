@@ -610,6 +610,10 @@ class Requeue(_Strict):
     )
     warning_seconds: int = Field(180, ge=30, le=3600)
     max_restarts: int = Field(5, ge=0, le=1000)
+    max_restarts_without_progress: int = Field(
+        3, ge=1, le=1000,
+        description="segments in a row that end without a newer complete checkpoint before the job stops (a restart storm)",
+    )
     hang_seconds: Optional[int] = Field(
         None, ge=10, le=86400,
         description="seconds without a new step after which a job counts as hung; by default derived from its step times",

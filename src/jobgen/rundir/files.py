@@ -31,6 +31,9 @@ HEALTH_CACHE = "health-cache"  # per node: content hashes of the data file and m
 HEARTBEATS = "heartbeat"  # per node: its ranks' step and phase, published by the node's hang supervisor
 HANG = "hang.json"  # the hang supervisor's finding: which ranks and nodes stopped first, after how long
 EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure attributed to them, one a line
+# One line per segment in a row that ended without a newer complete checkpoint ("STEP OUTCOME NODES..."):
+# requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
+STALLED_SEGMENTS = "stalled-segments"
 NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
@@ -50,6 +53,7 @@ EXIT_OUT_OF_MEMORY = 4  # out of memory: not requeued, the same job would run ou
 EXIT_HEALTH_MISMATCH = 5  # the nodes differ (versions, data, jobgen): not requeued, a person must fix it
 EXIT_NODE_FAILED = 75  # this node is bad (EX_TEMPFAIL): requeued without it; a site's check may use it
 EXIT_HUNG = 76  # the hang supervisor ended the ranks: requeued without the nodes that stopped first
+EXIT_RESTART_STORM = 77  # the batch script: segments in a row ended without a newer checkpoint; not requeued
 EXIT_DO_NOT_REQUEUE = 79  # a user's setup line says "do not requeue", whatever else happened
 
 
@@ -108,6 +112,8 @@ class _TemplateFiles:
     exit_node_failed = EXIT_NODE_FAILED
     exit_hung = EXIT_HUNG
     exit_do_not_requeue = EXIT_DO_NOT_REQUEUE
+    exit_restart_storm = EXIT_RESTART_STORM
+    stalled_segments = STALLED_SEGMENTS
     batch_log = staticmethod(batch_log)
     node_log = staticmethod(node_log)
     rank_log = staticmethod(rank_log)

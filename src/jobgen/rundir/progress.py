@@ -31,7 +31,7 @@ from jobgen.rundir.metrics import describe_progress, last_record
 POLL_SECONDS = 0.5
 TRAINER_STEP_LINE = re.compile(r"\] INFO step \d+(/\d+)?  ")
 # How a segment ends for good; after any other end (preempted, time limit) the job may come back.
-FINAL_OUTCOMES = {"completed", "failed", "restarts_exhausted"}
+FINAL_OUTCOMES = {"completed", "failed", "restarts_exhausted", "restart_storm"}
 CLEAR_LINE = "\r\x1b[K"
 
 
