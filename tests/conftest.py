@@ -29,6 +29,8 @@ MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
 FIRST = ("slurm", "pbs")
 
 
+# First: pytest-xdist's own hook reads the marks to name each test's unit.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     module_unit = {}
     for item in items:
@@ -44,3 +46,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def _unit(item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
+
+
+def pytest_configure(config) -> None:
+    """Cluster tests run side by side would take each other's nodes: refuse a pytest whose test
+    ids pytest-xdist cannot group (see pyproject.toml's test extra)."""
+    if config.getoption("dist", "no") == "loadgroup" and tuple(int(p) for p in pytest.__version__.split(".")[:2]) >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup cannot group tests on it; "
+                                "install the test extra's pytest (scripts/setup does)")
