@@ -57,8 +57,8 @@ def describe(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def state(latest: dict[str, Any], segments: list[dict[str, Any]]) -> str:
-    """How the latest submission's newest segment ended, once it has for good (completed, failed,
-    restarts_exhausted); before that, what the scheduler says: pending or running; where it
+    """How the latest submission's newest segment ended, once it has for good (FINAL_OUTCOMES:
+    completed, failed, restarts_exhausted, restart_storm); before that, what the scheduler says: pending or running; where it
     cannot say (or no longer knows the job), the records' word."""
     first = next((i for i, s in enumerate(segments) if str(s["job_id"]) == str(latest.get("job_id"))), None)
     # Its segments: from its job's first on, a PBS job's continuations (new job ids) included.
