@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -16,7 +17,7 @@ import yaml
 from jobgen.job.models import Training
 from jobgen.train.store import COMPLETE, ensure_store
 from jobgen.train.modeling import load_tokenizer
-from tests.train.conftest import subprocess_env
+from tests.train.conftest import free_port, subprocess_env
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,37 @@ def test_two_nodes_preparing_at_once_keep_each_others_work(shared_fs, tiny, toke
                             prepared_cache=str(mount / "job" / "stores"))
         stored, outcome = ensure_store(training, str(mount / "job"), lambda: tokenizer, preparer=False)
         assert outcome in ("found", "waited") and len(stored) == 12_000
+
+
+def _node(job, node_rank: int, port: int) -> subprocess.Popen:
+    """One node of a two-node job: a torchrun agent reading the run directory through its own mount."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+        "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+        "-m", "jobgen.train", "--job", str(job),
+    ]
+    return subprocess.Popen(command, cwd=job.parent, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_job_on_two_nodes_tokenizes_once(shared_fs, tools, tiny, big_data):
+    """Local rank 0 of each node would be a preparer, each believing it holds KEY.lock: the
+    temporary folders the file server sees count the builds."""
+    served = shared_fs.served / "run"
+    tools.write_job(served, tiny, procs=1, data=str(big_data), max_steps=1, save_interval=100)
+    port = free_port()
+    nodes = [_node(mount / "run" / "job.yaml", rank, port) for rank, mount in enumerate(shared_fs.mounts)]
+    builds: set[str] = set()
+    try:
+        while any(node.poll() is None for node in nodes):
+            if (served / "prepared").is_dir():  # the server's own view: no cache between
+                builds |= {p.name for p in (served / "prepared").iterdir() if p.name.startswith(".tmp-")}
+            time.sleep(0.02)
+        outputs = [node.communicate(timeout=60)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert len(builds) == 1, builds
+    assert "prepared here" in outputs[0] and "tokenized 12000/12000 records" in outputs[0]
