@@ -114,3 +114,25 @@ def test_a_job_on_two_nodes_tokenizes_once(shared_fs, tools, tiny, big_data):
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert len(builds) == 1, builds
     assert "prepared here" in outputs[0] and "tokenized 12000/12000 records" in outputs[0]
+
+
+def test_a_store_finished_while_another_node_caches_it_as_absent_is_not_built_again(shared_fs, tiny, tokenizer):
+    """Node B has looked for the store and caches "no such file"; node A prepares it; node B,
+    within its cache's time, finds it and neither builds it again nor fails."""
+    node_a, node_b = shared_fs.mounts
+    from jobgen.train.store import inputs_for, store_key
+
+    def training(mount):
+        return Training(model=str(tiny / "model"), data=str(tiny / "data.json"), max_length=128,
+                        prepared_cache=str(mount / "stores"))
+
+    (shared_fs.served / "stores").mkdir()
+    key = store_key(inputs_for(training(node_b), str(node_b / "stores")))
+    assert not (node_b / "stores" / key).exists()  # node B's mount now remembers that
+    made, outcome = ensure_store(training(node_a), str(node_a), lambda: tokenizer, preparer=True, processes=1)
+    assert outcome == "prepared" and not (node_b / "stores" / key).exists()  # still cached as absent
+    built: list[str] = []
+    stored, outcome = ensure_store(training(node_b), str(node_b), lambda: built.append("tokenizer") or tokenizer,
+                                   preparer=True, processes=1)
+    assert built == [] and outcome == "waited" and len(stored) == len(made)
+    assert sorted(p.name for p in (shared_fs.served / "stores").iterdir() if p.is_dir()) == [key]

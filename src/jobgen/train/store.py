@@ -250,7 +250,9 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
         if preparer:
             with _Lock(target + ".lock") as held:
                 if held:
-                    if _complete_on_server(target):  # a stat above may have seen a cached "no such file"
+                    # The stat above may have answered from a cached "no such file" (NFS acdirmax, up
+                    # to 60 s): a store finished meanwhile is asked of the server before building.
+                    if _exists_on_server(target) and _complete_on_server(target):
                         return "waited"
                     if _build_under_lock(target, build, failed):
                         return "prepared"
@@ -354,12 +356,17 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str) ->
 
 
 def _exists_on_server(path: str) -> bool:
-    """Whether `path` exists, asked so that no cache answers: mkdir is decided by the file server."""
+    """Whether `path` exists, asked so that no cache answers: an exclusive create (mkdir) is decided
+    by the file server, where a stat or an open may trust a cached "no such file". A waiter's
+    isfile finds no store in the empty folder it makes for a moment."""
     try:
         os.mkdir(path)
     except FileExistsError:
         return True
-    os.rmdir(path)
+    try:
+        os.rmdir(path)
+    except OSError:  # another preparer's folder was renamed onto the empty one meanwhile
+        return True
     return False
 
 
