@@ -34,7 +34,7 @@ EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure at
 # One line per segment in a row that ended without a newer complete checkpoint ("STEP OUTCOME NODES..."):
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
-NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
+NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with exit_node_failed or exit_do_not_requeue: "STATUS NODE"
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder

@@ -24,13 +24,17 @@ The tokens do not depend on packing: packed and unpacked runs, and runs of other
 them, and each packing is a file of its own in the store (pack_rows is a function of the
 lengths, the capacity and the seed).
 
-Written once: the preparer holds an fcntl lock on KEY.lock, writes a temporary folder and renames
-it to KEY, so a preparation killed midway leaves only a temporary folder, removed by the next
-preparer. Two preparers at once (two jobs, two nodes on a shared folder) take turns on the lock
-and the second finds the store made; where the file system has no locks, the rename alone keeps
-the store whole (the second rename finds KEY there and its copy is dropped). Inside a job, local
-rank 0 of each node is a preparer and the other ranks poll the file system until KEY is
+Written once: the preparer builds in a temporary folder named by its host and pid and renames it
+to KEY, so a preparation killed midway leaves only a temporary folder, removed later by a preparer
+that can tell it is dead (one of its own host whose process ended, or anyone's untouched for a day).
+Inside a job, rank 0 alone is the preparer and the other ranks poll the file system until KEY is
 complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out.
+No lock is trusted to span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock at all):
+a preparer takes an fcntl lock on KEY.lock where it can, which keeps two jobs of one node (or of
+a file system whose locks do span nodes) from building twice; without it two preparers of two
+jobs may both build, and the first rename wins (the other's copy is dropped). A complete store is
+never removed or replaced. In a folder that is group-writable, lock files and stores are too, so
+the members of its group share them.
 
 Where: training.prepared_cache (a site profile may set it, so that jobs share stores), else
 RUN_DIR/prepared. `jobgen prepare JOB.yaml` fills it from the login node.
@@ -46,6 +50,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -207,12 +212,32 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
 
 
+def _complete_on_server(path: str) -> bool:
+    """is_complete, asked by opening the marker (or the file): a network file system revalidates on
+    open (close-to-open), where a stat or a listing may answer from a cache seconds old."""
+    try:
+        with open(os.path.join(path, COMPLETE) if os.path.isdir(path) else path, "rb"):
+            return True
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
+def preparer_rank(rank: int) -> bool:
+    """Whether global rank `rank` prepares a job's stores: rank 0 alone (local rank 0 of node 0),
+    since no lock is trusted to span nodes; every other rank waits for COMPLETE."""
+    return rank == 0
+
+
 def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
                  waiting: Optional[Callable[[float], None]] = None) -> str:
     """Make `target` (a folder or a file) with `build(temporary_path)` unless it is complete.
-    A preparer takes TARGET.lock and builds; the others poll until it is complete. Returns
-    "found", "waited" (another process made it meanwhile) or "prepared". Raises the preparer's
-    UserError on every process (from TARGET.failed)."""
+    A preparer takes TARGET.lock where the file system gives one, and builds; the others poll until
+    it is complete. Returns "found", "waited" (another process made it meanwhile) or "prepared".
+    Raises the preparer's UserError on every process (from TARGET.failed).
+
+    Correct without locks that span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock):
+    each build has its own temporary path, nothing another process may still write is removed, a
+    complete target is never removed or replaced, and the first rename wins."""
     failed = target + ".failed"
     waited_since, started = time.monotonic(), time.time()
     said = 0.0
@@ -225,10 +250,13 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
         if preparer:
             with _Lock(target + ".lock") as held:
                 if held:
-                    if is_complete(target):
+                    # The stat above may have answered from a cached "no such file" (NFS acdirmax, up
+                    # to 60 s): a store finished meanwhile is asked of the server before building.
+                    if _exists_on_server(target) and _complete_on_server(target):
                         return "waited"
-                    _build_under_lock(target, build, failed, held.exclusive)
-                    return "prepared"
+                    if _build_under_lock(target, build, failed):
+                        return "prepared"
+                    preparer = False  # another preparer's rename won: wait to see it, never build again
         waited = time.monotonic() - waited_since
         if waiting and waited - said >= 60:
             said = waited
@@ -244,18 +272,68 @@ def _failed_since(path: str, since: float) -> bool:
         return False
 
 
-def _build_under_lock(target: str, build: Callable[[str], None], failed: str, exclusive: bool) -> None:
-    folder, name = os.path.split(target)
-    if exclusive:  # nobody else writes now: leftovers of killed preparations go
-        for entry in os.listdir(folder):
-            if entry.startswith(f".tmp-{name}-"):
-                _remove(os.path.join(folder, entry))
-        if os.path.exists(target):  # incomplete: made by hand, or by a jobgen without the marker
-            _remove(target)
-    _remove(failed)
-    temp = os.path.join(folder, f".tmp-{name}-{socket.gethostname()}-{os.getpid()}")
+# A temporary path not written for this long is a killed preparation's, whoever made it. A build
+# writes its files continuously; clocks of nodes differ by seconds, not hours.
+STALE_TEMP_SECONDS = 24 * 3600
+
+
+def _temp_name(name: str, suffix: str = "") -> str:
+    """A build's temporary name: its host and pid, so that no two processes of a cluster share one."""
+    return f".tmp-{name}-{socket.gethostname()}-{os.getpid()}{suffix}"
+
+
+def _dead_temp(folder: str, entry: str, name: str) -> bool:
+    """Whether `entry` is a temporary path of `name` that no live process writes: one of this host
+    whose process has ended, or anyone's untouched for STALE_TEMP_SECONDS. Another node's recent
+    one may be a build in progress: a lock held through this node's mount says nothing about it."""
+    prefix = f".tmp-{name}-"
+    if not entry.startswith(prefix):
+        return False
+    host, _, pid = entry[len(prefix):].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        return True
+    return time.time() - _newest_write(os.path.join(folder, entry)) > STALE_TEMP_SECONDS
+
+
+def _alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _newest_write(path: str) -> float:
+    newest = 0.0
+    try:
+        newest = os.stat(path).st_mtime
+        for root, _, files in os.walk(path):
+            for file in files:
+                newest = max(newest, os.stat(os.path.join(root, file)).st_mtime)
+    except OSError:
+        return time.time()  # changing under us: alive
+    return newest
+
+
+def _build_under_lock(target: str, build: Callable[[str], None], failed: str) -> bool:
+    """Builds `target`; False when another preparer's rename came first (its copy is as good)."""
+    folder, name = os.path.split(target)
+    for entry in os.listdir(folder):
+        if _dead_temp(folder, entry, name):
+            _remove(os.path.join(folder, entry))
+    temp = os.path.join(folder, _temp_name(name))
+    try:
+        if os.path.lexists(target):  # incomplete (asked of the server): made by hand, or by a jobgen without the marker
+            # Moved aside, not removed: a rank that mapped it keeps its pages; the age bound removes it later.
+            os.rename(target, os.path.join(folder, _temp_name(name, "-aside")))
+        _remove(failed)
         build(temp)
+        _share_with_group(temp, folder)
+    except PermissionError as exc:
+        _remove(temp)
+        raise _cannot_write(folder, exc) from None
     except UserError as exc:
         _remove(temp)
         _write_text(failed, str(exc))
@@ -265,44 +343,106 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str, ex
         raise
     try:
         os.rename(temp, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+    except OSError:
+        # A folder onto one that exists: EEXIST or ENOTEMPTY here, EPERM through sftp. Only a
+        # complete store is renamed into place, so one there now is another preparer's.
+        if not _exists_on_server(target):
+            _remove(temp)
             raise
-        _remove(temp)  # another preparer, without a lock, finished first: its store is as good
+        _remove(temp)
+        return False
     fsync_directory(folder)
+    return True
+
+
+def _exists_on_server(path: str) -> bool:
+    """Whether `path` exists, asked so that no cache answers: an exclusive create (mkdir) is decided
+    by the file server, where a stat or an open may trust a cached "no such file". A waiter's
+    isfile finds no store in the empty folder it makes for a moment."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return True
+    except PermissionError:  # a folder we may not write: the cached answer (the build says why it cannot)
+        return os.path.lexists(path)
+    try:
+        os.rmdir(path)
+    except OSError:  # another preparer's folder was renamed onto the empty one meanwhile
+        return True
+    return False
+
+
+def _share_with_group(path: str, folder: str) -> None:
+    """A store made in a group-writable folder (a prepared_cache shared by a group) is the group's
+    too: its folders group-writable, so that another member adds packed rows to it (the folder's
+    setgid bit gives them its group)."""
+    if not os.stat(folder).st_mode & stat.S_IWGRP:
+        return
+    for root, _, files in os.walk(path):
+        os.chmod(root, os.stat(root).st_mode | stat.S_IRWXG)
+        for file in files:
+            full = os.path.join(root, file)
+            os.chmod(full, os.stat(full).st_mode | stat.S_IRGRP)
+    if os.path.isfile(path):
+        os.chmod(path, os.stat(path).st_mode | stat.S_IRGRP | stat.S_IWGRP)
+
+
+def _cannot_write(folder: str, exc: OSError) -> UserError:
+    import grp
+    import pwd
+
+    info = os.stat(folder)
+    try:
+        owner, group = pwd.getpwuid(info.st_uid).pw_name, grp.getgrgid(info.st_gid).gr_name
+    except KeyError:
+        owner, group = str(info.st_uid), str(info.st_gid)
+    return UserError(f"training.prepared_cache: cannot write in {folder!r} ({exc.strerror}; owner {owner}, group {group}, "
+                     f"mode {stat.filemode(info.st_mode)}): its owner can share it with a group you are in "
+                     f"(chgrp -R GROUP, chmod -R g+w and g+s on its folders), or give a folder you can write")
 
 
 class _Lock:
-    """An fcntl lock on a file, taken without waiting; `held` is falsy when another process has it.
-    On a file system without locks the lock is taken as held but not `exclusive`."""
+    """An fcntl lock on a file, taken without waiting; `held` is falsy when another process of this
+    node has it. Where locks are missing (ENOSYS, EOPNOTSUPP, ENOLCK) or the lock file is another
+    user's and read-only to us, the lock is taken as held: preparation is correct without it
+    (prepare_once); it only saves a second build on one node or where locks span nodes."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.fd, self.exclusive = path, -1, True
+        self.path, self.fd = path, -1
 
     def __enter__(self) -> Optional["_Lock"]:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # lockf needs a read-write open; 0o664: another member of a shared folder's group may open it so.
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
+        except PermissionError:
+            return self  # a lock file we may not write, or a folder we may not write (the build says so)
+        if os.stat(os.path.dirname(self.path)).st_mode & stat.S_IWGRP:
+            try:  # the umask took the group's write away
+                os.fchmod(self.fd, 0o664)
+            except PermissionError:  # not ours: its owner made it so
+                pass
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
                 return None
-            self.exclusive = False  # ENOLCK and the like: no locks here
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        os.close(self.fd)  # releases the lock
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
 
 
 def _remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
+    elif os.path.lexists(path):
         os.unlink(path)
 
 
 def _write_text(path: str, text: str) -> None:
-    temp = f"{path}.tmp-{os.getpid()}"
+    temp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"  # pid alone is not unique across nodes
     with open(temp, "w", encoding="utf-8") as handle:
         handle.write(text + "\n")
     os.replace(temp, path)
