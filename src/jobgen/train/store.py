@@ -66,10 +66,8 @@ TOKENIZER_FILES = (
 COMPLETE = "COMPLETE"
 EVAL = "eval"  # the held-out conversations of eval_fraction, in the same layout
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
-POLL_SECONDS = 0.2
-# A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
-# nodes and file servers differ by seconds, not minutes).
-STALE_FAILURE_SECONDS = 60
+POLL_SECONDS = 0.2  # the first polls of a waiting rank; then longer, see poll_interval
+MAX_POLL_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -213,35 +211,83 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
     A preparer takes TARGET.lock and builds; the others poll until it is complete. Returns
     "found", "waited" (another process made it meanwhile) or "prepared". Raises the preparer's
     UserError on every process (from TARGET.failed)."""
-    failed = target + ".failed"
-    waited_since, started = time.monotonic(), time.time()
+    failed = _Failure(target + ".failed")
+    waited_since = time.monotonic()
     said = 0.0
     while True:
         if is_complete(target):
             return "found" if time.monotonic() - waited_since < POLL_SECONDS else "waited"
-        if _failed_since(failed, started - STALE_FAILURE_SECONDS):
-            with open(failed, encoding="utf-8") as handle:
-                raise UserError(handle.read().strip())
+        message = failed.this_starts()
+        if message is not None:
+            raise UserError(message)
         if preparer:
             with _Lock(target + ".lock") as held:
                 if held:
                     if is_complete(target):
                         return "waited"
-                    _build_under_lock(target, build, failed, held.exclusive)
+                    _build_under_lock(target, build, failed.path, held.exclusive)
                     return "prepared"
         waited = time.monotonic() - waited_since
         if waiting and waited - said >= 60:
             said = waited
             waiting(waited)
-        time.sleep(POLL_SECONDS)
+        time.sleep(poll_interval(waited))
 
 
-def _failed_since(path: str, since: float) -> bool:
-    """A preparer's error is this start's if written after it began (an older one is redone)."""
-    try:
-        return os.stat(path).st_mtime >= since
-    except FileNotFoundError:
-        return False
+def poll_interval(waited: float) -> float:
+    """Seconds to the next look: a tenth of the time waited so far, from POLL_SECONDS up to
+    MAX_POLL_SECONDS, so that a node's waiting ranks stat the shared folder a few times a
+    second at first and less than once a second during a long preparation, and find the store
+    at most 10% (or 15 s) after it is made."""
+    return min(MAX_POLL_SECONDS, max(POLL_SECONDS, waited / 10))
+
+
+def _segment() -> str:
+    """This job segment, as the ranks of every node know it; empty outside a job (`jobgen prepare`)."""
+    job_id = os.environ.get("JOBGEN_JOB_ID", "")
+    return f"{job_id}/{os.environ.get('JOBGEN_RESTART_COUNT', '0')}" if job_id else ""
+
+
+class _Failure:
+    """A preparer's error (TARGET.failed) is this start's when it names this job segment, or when
+    it appears or changes while this process waits. Never by comparing its mtime with this node's
+    clock: the nodes' and the file server's clocks differ. An older one is redone."""
+
+    TAG = "jobgen segment "
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.at_start = self._identity()
+        self.stale: Optional[tuple[int, int, int]] = None
+
+    def _identity(self) -> Optional[tuple[int, int, int]]:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def this_starts(self) -> Optional[str]:
+        """The error's message when it is this start's, else None."""
+        now = self._identity()
+        if now is None or now == self.stale:
+            return None
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                first, _, rest = handle.read().partition("\n")
+        except FileNotFoundError:
+            return None
+        tagged = first.startswith(self.TAG)
+        message = (rest if tagged else f"{first}\n{rest}").strip()
+        mine = tagged and bool(_segment()) and first[len(self.TAG):].strip() == _segment()
+        if mine or now != self.at_start:
+            return message
+        self.stale = now  # read once: an earlier start's error, unchanged since
+        return None
+
+    @classmethod
+    def text(cls, message: str) -> str:
+        return f"{cls.TAG}{_segment()}\n{message}" if _segment() else message
 
 
 def _build_under_lock(target: str, build: Callable[[str], None], failed: str, exclusive: bool) -> None:
@@ -258,7 +304,7 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str, ex
         build(temp)
     except UserError as exc:
         _remove(temp)
-        _write_text(failed, str(exc))
+        _write_text(failed, _Failure.text(str(exc)))
         raise
     except BaseException:
         _remove(temp)
