@@ -12,7 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
+from jobgen.rundir.files import rank_log
 from jobgen.train import health
+from jobgen.train.console import open_rank_log
 from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
                                     hang_bound, node_silent, stopped_first)
 
@@ -106,7 +108,7 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
         supervisor = Supervisor.from_env()
         ranks = []
         for rank in (0, 1):
-            log = open(run_dir / "logs" / f"77-rank{rank}.out", "a")  # as a rank's log is: appended to
+            log = os.fdopen(open_rank_log(str(run_dir), "77", rank), "a")  # as a rank's log is: appended to
             ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(rank), "node1"], stdout=subprocess.PIPE,
                                           stderr=log, text=True))
         for proc in ranks:
@@ -127,7 +129,7 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
     assert "stopped first: node node1 (rank 1: stopped)" in hang["message"]
     assert took < 4 + 10
     for rank in (0, 1):
-        text = (run_dir / "logs" / f"77-rank{rank}.out").read_text()
+        text = (run_dir / rank_log("77", rank)).read_text()
         assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
 
 
@@ -159,13 +161,14 @@ SUPERVISOR = textwrap.dedent("""
     real_time = time.time
     time.time = lambda: real_time() + float(sys.argv[1])  # this node's wall clock, off by argv[1] seconds
     from jobgen.train import heartbeat
+    from jobgen.train.console import open_rank_log
     # Seconds instead of tens, so that the test takes seconds: publish, read and follow every second.
     heartbeat.PUBLISH_EVERY = heartbeat.FOLLOW_EVERY = 1.0
     heartbeat.NODE_SILENT = 4.0
     heartbeat.read_every = lambda nnodes: 1.0
     supervisor = heartbeat.Supervisor.from_env()
     node = os.environ["NODE_RANK"]
-    with open(os.path.join(os.environ["JOBGEN_RUN_DIR"], "logs", f"9-rank{node}.out"), "a") as log:
+    with os.fdopen(open_rank_log(os.environ["JOBGEN_RUN_DIR"], "9", int(node)), "a") as log:
         rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], node, "node" + node], stdout=subprocess.PIPE,
                                 stderr=log, text=True)
     assert rank.stdout.readline().strip() == "ready"
@@ -210,3 +213,28 @@ def test_a_node_whose_clock_is_60_s_behind_is_not_silent_monkeypatched_clock_as_
     hang = json.loads((run_dir / "hang.json").read_text())
     assert hang["nodes"] == "node2", hang["message"]  # what the batch script excludes on the requeue
     assert "stopped first: node node2 (rank 2: silent node)" in hang["message"]
+
+
+def test_only_nodes_0_and_1_read_every_summary_and_nodes_2_and_3_take_over_when_both_are_silent(tmp_path: Path) -> None:
+    """At 512 nodes every node reading every summary was 261,632 opens a second on the shared file
+    system; now two nodes read them, and two stand by."""
+    shared = tmp_path / "heartbeat"
+    shared.mkdir()
+    reader_clock = [0.0]
+
+    def publish(node: int, seq: int) -> None:
+        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "seq": seq, "ranks": [
+            {"rank": node, "node": f"gpu{node}", "step": 9, "waiting": False, "alive": True, "state": "waiting"}]}))
+
+    def supervisor(node: int) -> Supervisor:
+        return Supervisor(str(tmp_path), "5", "0", node_rank=node, nnodes=512, override=None,
+                          clock=lambda: reader_clock[0])
+
+    publish(0, 1), publish(1, 1)
+    nodes = {k: supervisor(k) for k in (0, 1, 2, 3, 4, 511)}
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1]
+    reader_clock[0] += node_silent(512) + 1
+    publish(1, 2)  # node 0 is silent, node 1 reads on: nobody takes over
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1]
+    reader_clock[0] += node_silent(512) + 1
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1, 2, 3]

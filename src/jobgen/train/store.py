@@ -202,7 +202,15 @@ class _HashCache:
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
+    """A folder with its COMPLETE marker, or a file that is there (renamed into place whole). One
+    stat either way: every waiting rank asks this of the shared file system."""
+    try:
+        os.stat(os.path.join(path, COMPLETE))
+        return True
+    except NotADirectoryError:
+        return True  # a file store
+    except FileNotFoundError:
+        return False
 
 
 def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
@@ -326,8 +334,11 @@ class _Lock:
         self.path, self.fd, self.exclusive = path, -1, True
 
     def __enter__(self) -> Optional["_Lock"]:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # the folder is there but once: no mkdir on every try of a waiting preparer
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
