@@ -340,14 +340,15 @@ def preparation(n: int, root: str, ops: Ops) -> dict:
             clock.main.wait()
     for thread in threads[1:]:
         thread.start()
-    clock.run(PREPARATION * 2, {})
+    waiting = [k for k in nodes if k != 0]
+    late: list[int] = []
+    clock.run(PREPARATION * 2, {PREPARATION - 100: lambda: late.append(sum(sum(ops.counts[k].values()) for k in waiting))})
     for thread in threads:
         thread.join()
     ops.on = False
     unpatch_time(real)
-    waiting = [k for k in nodes if k != 0]
-    per_node = sum(sum(ops.counts[k].values()) for k in waiting) / len(waiting) / PREPARATION
-    return {"per_node_s": per_node}
+    done = sum(sum(ops.counts[k].values()) for k in waiting)
+    return {"per_node_s": done / len(waiting) / PREPARATION, "late_per_node_s": (done - late[0]) / len(waiting) / 100}
 
 
 def make_inputs(folder: str) -> tuple[str, str]:
@@ -432,7 +433,7 @@ def main() -> None:
     threading.stack_size(512 * 1024)
     rows = []
     print("| nodes | steady: ops/s | per node/s | open | stat | create | rename | fsync | listdir | other "
-          "| largest folder (steady) | waiting ranks: ops/node/s | segment: gate ops/node | rank-log ops/node "
+          "| largest folder (steady) | waiting ranks: ops/node/s (mean; last 100 s) | segment: gate ops/node | rank-log ops/node "
           "| largest folder (segment) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for n in args.nodes:
@@ -443,7 +444,7 @@ def main() -> None:
         kinds = " | ".join(f"{per_s.get(k, 0):,.1f}" for k in KINDS)
         steady_big, seg_big = row["steady"]["largest"], row["segment"]["largest"]
         print(f"| {n:,} | {total:,.0f} | {total / n:.2f} | {kinds} | {steady_big[0]:,} ({steady_big[1]}) "
-              f"| {row['preparation']['per_node_s']:.2f} | {row['segment']['gate_per_node']:.1f} "
+              f"| {row['preparation']['per_node_s']:.2f}; {row['preparation']['late_per_node_s']:.2f} | {row['segment']['gate_per_node']:.1f} "
               f"| {row['segment']['logs_per_node']:.1f} | {seg_big[0]:,} ({seg_big[1]}) |", flush=True)
         if row["steady"]["hung"]:
             print(f"  (a supervisor decided a hang: nodes {row['steady']['hung']})", flush=True)

@@ -30,7 +30,8 @@ preparer. Two preparers at once (two jobs, two nodes on a shared folder) take tu
 and the second finds the store made; where the file system has no locks, the rename alone keeps
 the store whole (the second rename finds KEY there and its copy is dropped). Inside a job, local
 rank 0 of each node is a preparer and the other ranks poll the file system until KEY is
-complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out.
+complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out
+(every 0.2 s at first, then a tenth of the time waited, at most every 15 s: see poll_interval).
 
 Where: training.prepared_cache (a site profile may set it, so that jobs share stores), else
 RUN_DIR/prepared. `jobgen prepare JOB.yaml` fills it from the login node.
