@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from jobgen.rundir.files import rank_log
+from jobgen.train.heartbeat import detection_delay
 from tests.helpers import jobgen
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
@@ -112,7 +113,7 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     detected = hang["at"] - stopped_at
     assert hang["nodes"] == nodes[1], hang
     assert f"stopped first: node {nodes[1]} (rank 1: stopped)" in hang["message"], hang
-    assert detected <= hang["bound_seconds"] + 15, (detected, hang)
+    assert detected <= hang["bound_seconds"] + detection_delay(len(nodes)), (detected, hang)  # docs/exit-codes.md
     assert wait_until_done(job_id) == "COMPLETED"  # it ended by submitting its continuation
     first = segments(run_dir)[0]
     assert first["outcome"] == "hung"
