@@ -69,8 +69,14 @@ def node_log(job_id: str, node: int | str) -> str:
     return f"{LOGS}/{job_id}-node{node}.out"
 
 
+RANKS_PER_FOLDER = 1000  # rank logs per folder: 4,096 nodes x 8 ranks make 33 folders, not one of 32,768 files
+
+
 def rank_log(job_id: str, rank: int | str) -> str:
-    return f"{LOGS}/{job_id}-rank{rank}.out"
+    """Rank R's log: logs/JOBID-ranks/0-999/JOBID-rankR.out, a folder per 1,000 ranks (by rank,
+    not node: a reader knows the rank, and torchrun's rendezvous may give a node other ranks)."""
+    first = int(rank) // RANKS_PER_FOLDER * RANKS_PER_FOLDER
+    return f"{LOGS}/{job_id}-ranks/{first}-{first + RANKS_PER_FOLDER - 1}/{job_id}-rank{rank}.out"
 
 
 def node_exit(job_id: str, node: int | str) -> str:

@@ -28,7 +28,8 @@ Written once: the preparer builds in a temporary folder named by its host and pi
 to KEY, so a preparation killed midway leaves only a temporary folder, removed later by a preparer
 that can tell it is dead (one of its own host whose process ended, or anyone's untouched for a day).
 Inside a job, rank 0 alone is the preparer and the other ranks poll the file system until KEY is
-complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out.
+complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out
+(every 0.2 s at first, then a tenth of the time waited, at most every 15 s: see poll_interval).
 No lock is trusted to span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock at all):
 a preparer takes an fcntl lock on KEY.lock where it can, which keeps two jobs of one node (or of
 a file system whose locks do span nodes) from building twice; without it two preparers of two
@@ -71,10 +72,8 @@ TOKENIZER_FILES = (
 COMPLETE = "COMPLETE"
 EVAL = "eval"  # the held-out conversations of eval_fraction, in the same layout
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
-POLL_SECONDS = 0.2
-# A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
-# nodes and file servers differ by seconds, not minutes).
-STALE_FAILURE_SECONDS = 60
+POLL_SECONDS = 0.2  # the first polls of a waiting rank; then longer, see poll_interval
+MAX_POLL_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,15 @@ class _HashCache:
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
+    """A folder with its COMPLETE marker, or a file that is there (renamed into place whole). One
+    stat either way: every waiting rank asks this of the shared file system."""
+    try:
+        os.stat(os.path.join(path, COMPLETE))
+        return True
+    except NotADirectoryError:
+        return True  # a file store
+    except FileNotFoundError:
+        return False
 
 
 def _complete_on_server(path: str) -> bool:
@@ -238,15 +245,15 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
     Correct without locks that span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock):
     each build has its own temporary path, nothing another process may still write is removed, a
     complete target is never removed or replaced, and the first rename wins."""
-    failed = target + ".failed"
-    waited_since, started = time.monotonic(), time.time()
+    failed = _Failure(target + ".failed")
+    waited_since = time.monotonic()
     said = 0.0
     while True:
         if is_complete(target):
             return "found" if time.monotonic() - waited_since < POLL_SECONDS else "waited"
-        if _failed_since(failed, started - STALE_FAILURE_SECONDS):
-            with open(failed, encoding="utf-8") as handle:
-                raise UserError(handle.read().strip())
+        message = failed.this_starts()
+        if message is not None:
+            raise UserError(message)
         if preparer:
             with _Lock(target + ".lock") as held:
                 if held:
@@ -254,22 +261,70 @@ def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
                     # to 60 s): a store finished meanwhile is asked of the server before building.
                     if _exists_on_server(target) and _complete_on_server(target):
                         return "waited"
-                    if _build_under_lock(target, build, failed):
+                    if _build_under_lock(target, build, failed.path):
                         return "prepared"
                     preparer = False  # another preparer's rename won: wait to see it, never build again
         waited = time.monotonic() - waited_since
         if waiting and waited - said >= 60:
             said = waited
             waiting(waited)
-        time.sleep(POLL_SECONDS)
+        time.sleep(poll_interval(waited))
 
 
-def _failed_since(path: str, since: float) -> bool:
-    """A preparer's error is this start's if written after it began (an older one is redone)."""
-    try:
-        return os.stat(path).st_mtime >= since
-    except FileNotFoundError:
-        return False
+def poll_interval(waited: float) -> float:
+    """Seconds to the next look: a tenth of the time waited so far, from POLL_SECONDS up to
+    MAX_POLL_SECONDS, so that a node's waiting ranks stat the shared folder a few times a
+    second at first and less than once a second during a long preparation, and find the store
+    at most 10% (or 15 s) after it is made."""
+    return min(MAX_POLL_SECONDS, max(POLL_SECONDS, waited / 10))
+
+
+def _segment() -> str:
+    """This job segment, as the ranks of every node know it; empty outside a job (`jobgen prepare`)."""
+    job_id = os.environ.get("JOBGEN_JOB_ID", "")
+    return f"{job_id}/{os.environ.get('JOBGEN_RESTART_COUNT', '0')}" if job_id else ""
+
+
+class _Failure:
+    """A preparer's error (TARGET.failed) is this start's when it names this job segment, or when
+    it appears or changes while this process waits. Never by comparing its mtime with this node's
+    clock: the nodes' and the file server's clocks differ. An older one is redone."""
+
+    TAG = "jobgen segment "
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.at_start = self._identity()
+        self.stale: Optional[tuple[int, int, int]] = None
+
+    def _identity(self) -> Optional[tuple[int, int, int]]:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def this_starts(self) -> Optional[str]:
+        """The error's message when it is this start's, else None."""
+        now = self._identity()
+        if now is None or now == self.stale:
+            return None
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                first, _, rest = handle.read().partition("\n")
+        except FileNotFoundError:
+            return None
+        tagged = first.startswith(self.TAG)
+        message = (rest if tagged else f"{first}\n{rest}").strip()
+        mine = tagged and bool(_segment()) and first[len(self.TAG):].strip() == _segment()
+        if mine or now != self.at_start:
+            return message
+        self.stale = now  # read once: an earlier start's error, unchanged since
+        return None
+
+    @classmethod
+    def text(cls, message: str) -> str:
+        return f"{cls.TAG}{_segment()}\n{message}" if _segment() else message
 
 
 # A temporary path not written for this long is a killed preparation's, whoever made it. A build
@@ -336,7 +391,7 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str) ->
         raise _cannot_write(folder, exc) from None
     except UserError as exc:
         _remove(temp)
-        _write_text(failed, str(exc))
+        _write_text(failed, _Failure.text(str(exc)))
         raise
     except BaseException:
         _remove(temp)
@@ -411,10 +466,12 @@ class _Lock:
         self.path, self.fd = path, -1
 
     def __enter__(self) -> Optional["_Lock"]:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        try:
-            # lockf needs a read-write open; 0o664: another member of a shared folder's group may open it so.
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
+        try:  # lockf needs a read-write open; 0o664: another member of a shared folder's group may open it so
+            try:  # the folder is there but once: no mkdir on every try of a waiting preparer
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
         except PermissionError:
             return self  # a lock file we may not write, or a folder we may not write (the build says so)
         if os.stat(os.path.dirname(self.path)).st_mode & stat.S_IWGRP:
