@@ -110,6 +110,9 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
+# Job ids far from the PBS test servers' (counted from 0): the tests run beside each other, and a
+# job's automatic MASTER_PORT is derived from its id, on the one address every test node shares.
+FirstJobId=50000
 # Refuse at submission what a partition can never run (e.g. -N5 here), as most sites do; the
 # default queues such a job, and it pends forever.
 EnforcePartLimits=ALL

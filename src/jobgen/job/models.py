@@ -199,7 +199,11 @@ class Launch(_Strict):
     health_check: bool = Field(
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
-    socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
+    socket_ifname: Optional[str] = Field(
+        None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$",
+        description="the interface of NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); unset, "
+        "each node takes the one that routes to MASTER_ADDR",
+    )
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
     collective_timeout_minutes: int = Field(
         30, ge=1, le=24 * 60,
