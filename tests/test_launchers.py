@@ -28,7 +28,7 @@ import yaml
 from tests.helpers import cannot_run, jobgen
 from tests.test_pbs_scripts import stand_in_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_job as slurm_probe_job
-from tests.test_slurm_submit import probe_records, submit_by_hand, wait_until_finished
+from tests.test_slurm_submit import node_addr, probe_records, submit_by_hand, wait_until_finished
 
 MODULE = "jobgen-test/1.0"
 # Tcl, which both module systems read. Loaded, it is in every rank's LOADEDMODULES; it refuses to
@@ -229,7 +229,7 @@ def test_srun_every_rank_has_the_module(module_system: dict, tmp_path: Path, mon
     job_id = submit_by_hand(config)
     run_dir = tmp_path / "runs" / "jobgen-test-modules"
     assert wait_until_finished(job_id) == "COMPLETED", batch_log(run_dir)
-    assert_every_rank_wired_with_the_module(run_dir, probe_records(run_dir)[0]["SLURMD_NODENAME"])
+    assert_every_rank_wired_with_the_module(run_dir, node_addr(probe_records(run_dir)[0]["SLURMD_NODENAME"]))
 
 
 # --- A node that fails ends the job, every node with it -----------------------------------------
