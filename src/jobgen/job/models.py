@@ -190,7 +190,8 @@ class Launch(_Strict):
         None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
     )
     master_port: int | Literal["auto"] = Field(
-        "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
+        "auto", description="'auto' is a hash of the whole job id, from 20000 up to the master node's ephemeral "
+        "ports (ip_local_port_range), so two jobs on one node seldom collide"
     )
     rendezvous: Literal["static", "c10d"] = "static"
     network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
