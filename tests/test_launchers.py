@@ -232,6 +232,28 @@ def test_srun_every_rank_has_the_module(module_system: dict, tmp_path: Path, mon
     assert_every_rank_wired_with_the_module(run_dir, node_addr(probe_records(run_dir)[0]["SLURMD_NODENAME"]))
 
 
+HUGGING_FACE_CACHE = {"HF_HOME": "/shared/hf", "HF_HUB_CACHE": "/shared/hf/hub", "HF_HUB_OFFLINE": "1",
+                      "HF_ENDPOINT": "http://127.0.0.1:9", "TRANSFORMERS_CACHE": "/shared/hf/transformers",
+                      "HF_DATASETS_CACHE": "/shared/hf/datasets", "XDG_CACHE_HOME": "/shared/cache"}
+
+
+def test_stand_in_pbs_ssh_nodes_get_the_hugging_face_cache_of_the_submitting_shell(sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
+    # What `jobgen prepare` and `validate` used (the shell's cache, offline) is what every rank
+    # must use; a token is a secret, passed only when environment.secrets names it.
+    (tmp_path / "scratch").mkdir()
+    shell = {**HUGGING_FACE_CACHE, "TMPDIR": str(tmp_path / "scratch")}
+    names = [*shell, "HF_TOKEN"]
+    record = 'printf "%s\\n" ' + " ".join(f'"{name}=${{{name}-unset}}"' for name in names) + ' > "$JOBGEN_RUN_DIR/env-$NODE_RANK"'
+    job = pbs_job("ssh", modules=(), setup=(record,), ssh_options=sshd)
+    env = {**stand_in_pbs, **shell, "HF_TOKEN": "hf_not_for_the_nodes"}
+    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, env, timeout=120)
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    assert result.returncode == 0, batch_log(run_dir) + result.stdout
+    for rank in (0, 1):
+        seen = dict(line.split("=", 1) for line in (run_dir / f"env-{rank}").read_text().splitlines())
+        assert seen == {**shell, "HF_TOKEN": "unset"}
+
+
 # --- A node that fails ends the job, every node with it -----------------------------------------
 
 
