@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -76,14 +77,29 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def _namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def _delete_namespace(name: str) -> None:
+    """The namespace and what still runs in it (an sshd of a killed run, a node it started)."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+
+
 def _delete_leftovers() -> None:
     """Namespaces of earlier runs whose process is gone (killed before its teardown), and this
     process's own (a pid used again)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+    for name in _namespaces():
         owner = re.fullmatch(rf"{PREFIX}(\d+)-.*", name)
         if owner and (int(owner[1]) == os.getpid() or not Path(f"/proc/{owner[1]}").exists()):
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+            _delete_namespace(name)
 
 
 def debian_hosts_file(own: str, others: dict[str, str]) -> str:
@@ -192,7 +208,6 @@ def separate_hosts(tmp_path_factory):
 
 
 def _delete_leftovers_of(prefix: str) -> None:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+    for name in _namespaces():
         if name.startswith(prefix):
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+            _delete_namespace(name)
