@@ -190,7 +190,8 @@ class Launch(_Strict):
         None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
     )
     master_port: int | Literal["auto"] = Field(
-        "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
+        "auto", description="'auto' is a hash of the whole job id, from 20000 up to the master node's ephemeral "
+        "ports (ip_local_port_range), so two jobs on one node seldom collide"
     )
     rendezvous: Literal["static", "c10d"] = "static"
     network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
@@ -199,7 +200,11 @@ class Launch(_Strict):
     health_check: bool = Field(
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
-    socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
+    socket_ifname: Optional[str] = Field(
+        None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$",
+        description="the interface of NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); unset, "
+        "each node takes the one that routes to MASTER_ADDR",
+    )
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
     collective_timeout_minutes: int = Field(
         30, ge=1, le=24 * 60,
