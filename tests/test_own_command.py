@@ -139,3 +139,44 @@ def test_a_command_not_on_the_node_is_one_line_in_its_log(tmp_path: Path) -> Non
     log = "".join(path.read_text() for path in (tmp_path / "runs" / "own" / "logs").glob("*node0.out"))
     assert "launch.command: 'finetune-not-installed' is not on PATH: give its full path" in log, log
     assert "jobgen: launch.command failed:" in jobgen("logs", str(tmp_path / "runs" / "own")).stdout
+
+
+def test_the_trainer_callback_saves_and_stops_at_the_step_a_signal_arrives_in(tmp_path: Path) -> None:
+    """One process, the real Trainer on the tiny model: SIGUSR1 during step 3 (as jobgen-torchrun
+    sends it) gives checkpoint-3, complete, and training ends there instead of at step 12."""
+    tiny = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    script = tmp_path / "train.py"
+    script.write_text(f'''
+import os, signal, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+import jobgen.train.hf
+assert "transformers" in sys.modules and "deepspeed" not in sys.modules
+from jobgen.train.hf import JobgenCallback
+tokenizer = AutoTokenizer.from_pretrained("{tiny}/model")
+ids = tokenizer(["the cat is blue"] * 64, padding="max_length", max_length=16)["input_ids"]
+dataset = [{{"input_ids": row, "labels": row}} for row in ids]
+class SignalAtStep3(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 2:  # the third step begins
+            os.kill(os.getpid(), signal.SIGUSR1)
+args = TrainingArguments(output_dir="{tmp_path}/out", max_steps=12, save_steps=100, report_to=[], use_cpu=True,
+                         per_device_train_batch_size=2)
+trainer = Trainer(model=AutoModelForCausalLM.from_pretrained("{tiny}/model"), args=args, train_dataset=dataset,
+                  callbacks=[JobgenCallback(), SignalAtStep3()])
+trainer.train()
+print("ended at step", trainer.state.global_step)
+''')
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JOBGEN_RUN_DIR": ""})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "jobgen: stop requested (SIGUSR1): saving checkpoint-3 and stopping" in ran.stdout
+    assert "ended at step 3" in ran.stdout
+    assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists()
+
+
+def test_importing_the_callback_module_imports_neither_transformers_nor_deepspeed() -> None:
+    code = "import sys, jobgen.train.hf; print('transformers' in sys.modules, 'deepspeed' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == ["False", "False"]
