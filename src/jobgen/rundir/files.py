@@ -18,6 +18,7 @@ NODE_ENV = "node.env"
 SEGMENTS = "segments.jsonl"  # one start and one end line per segment, written by the batch script
 SUBMISSIONS = "submissions.jsonl"  # one line per `jobgen submit`
 SUBMISSION_TEXT = "submission.txt"  # the script as it was handed to the scheduler
+NEWEST_CHECKPOINT = "newest-checkpoint"  # the job's own program (launch.command): its newest complete checkpoint's path
 STOP_REQUESTED = "stop-requested"  # the batch script's request that every rank checkpoints and stops
 TRAINER_EXIT = "trainer-exit.json"  # rank 0's report of what the run did (jobgen.train.exit_report)
 LOGS = "logs"
@@ -100,6 +101,7 @@ class _TemplateFiles:
     node_env = NODE_ENV
     segments = SEGMENTS
     stop_requested = STOP_REQUESTED
+    newest_checkpoint = NEWEST_CHECKPOINT
     trainer_exit = TRAINER_EXIT
     logs = LOGS
     continuation_script = CONTINUATION_SCRIPT

@@ -49,7 +49,9 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                         frozenset({"job"})),
         "container": ("runs node.sh again inside the job's Apptainer/Singularity container", frozenset({"job", "files"})),
         "setup": ("environment.setup, the user's shell lines (inside the container, if any)", frozenset({"job"})),
-        "torchrun": ("checks the commands are on PATH and starts torchrun (jobgen-torchrun)", frozenset({"job", "files"})),
+        "torchrun": ("checks the commands are on PATH and starts torchrun (jobgen-torchrun) with jobgen-train, jobgen-probe "
+                     "or the job's own program (`launch.command`, with `launch.resume_argument` when the batch script "
+                     "found a checkpoint)", frozenset({"job", "files"})),
     },
 }
 
