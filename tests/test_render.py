@@ -242,7 +242,8 @@ def test_render_imports_no_training_library_nor_plugin_scan(tmp_path: Path) -> N
 def test_schema_is_json_schema_of_the_job_file() -> None:
     result = jobgen("schema")
     schema = json.loads(result.stdout)
-    assert schema["title"] == "Job" and "training" in schema["required"]
+    # training or, for a program of the job's own, launch.command: neither is required alone
+    assert schema["title"] == "Job" and "training" in schema["properties"] and "command" in schema["$defs"]["Launch"]["properties"]
     assert "gpus_per_node" in schema["$defs"]["Resources"]["properties"]
     timeout = schema["$defs"]["Launch"]["properties"]["collective_timeout_minutes"]
     assert (timeout["default"], timeout["minimum"], timeout["maximum"]) == (30, 1, 1440)
@@ -347,3 +348,13 @@ def test_a_name_schedulers_take_is_written_as_it_is_and_not_mentioned(tmp_path: 
     result = jobgen("render", "-s", "pbs", str(write_job(tmp_path / "job.yaml", {**cpu_job(), "name": "llama3-8b_lora.v2"})))
     assert "#PBS -N llama3-8b_lora.v2\n" in result.stdout and "\njobgen_run_dir=runs/llama3-8b_lora.v2\n" in result.stdout
     assert "is written" not in result.stderr
+
+
+def test_a_value_that_is_a_reserved_word_is_quoted(tmp_path: Path, shellcheck: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"environment": {"variables": {"AA": "then", "BB": "done"}}, "launch": {"procs_per_node": 1},
+                                      "training": {"model": "m", "data": "d"}}))
+    script = jobgen("render", "-s", "slurm", str(config)).stdout
+    assert "export AA='then'" in script and "export BB='done'" in script
+    (tmp_path / "job.sh").write_text(script)
+    assert subprocess.run([shellcheck, "-S", "warning", str(tmp_path / "job.sh")], capture_output=True, text=True).stdout == ""

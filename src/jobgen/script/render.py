@@ -37,6 +37,10 @@ class Raw(str):
     """Text a template may print as it is."""
 
 
+# Bash's reserved words: safe bare after `NAME=`, but ShellCheck (SC1010) and a reader take them for syntax.
+RESERVED_WORDS = frozenset("if then else elif fi case esac for select while until do done in function time coproc".split())
+
+
 def shell_quote(value: Any) -> str:
     if isinstance(value, Raw):
         return value
@@ -44,7 +48,8 @@ def shell_quote(value: Any) -> str:
         return "1" if value else "0"
     if isinstance(value, (int, float)):
         return str(value)
-    return shlex.quote(str(value))
+    text = str(value)
+    return f"'{text}'" if text in RESERVED_WORDS else shlex.quote(text)
 
 
 class _ShippedBlock(jinja2.runtime.BlockReference):
