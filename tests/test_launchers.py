@@ -145,7 +145,7 @@ def mpi(request, tmp_path: Path, stand_in_pbs: dict) -> Mpi:
 def pbs_job(launcher: str, modules: tuple[str, ...] = (MODULE,), setup: tuple[str, ...] = (), **launch) -> dict:
     """A 2-node probe job for the fake PBS, each node one rank."""
     job = probe_job(2, 1)
-    # Every fake PBS job is 123.fakeserver, whose derived port another session's job may be using.
+    # A fake PBS job's derived port may be another session's job's.
     job["launch"].update(launcher=launcher, master_port=free_port(), **launch)
     job["environment"].update(modules=list(modules), setup=list(setup))
     return job
@@ -203,7 +203,7 @@ def test_stand_in_pbs_mpiexec_every_rank_has_the_module(mpi: Mpi, module_system:
     assert result.returncode == 0, batch_log(run_dir) + result.stdout
     assert_every_rank_wired_with_the_module(run_dir, "127.0.0.1")
     # One slot per node of the job on each host, in the syntax of the MPI at hand.
-    hostfile = (run_dir / "hosts.123.fakeserver").read_text()
+    hostfile = (run_dir / f"hosts.{stand_in_pbs['PBS_JOBID']}").read_text()
     assert hostfile == {"openmpi": "127.0.0.1 slots=2\n", "mpich": "127.0.0.1:2\n"}[mpi.name]
 
 

@@ -10,6 +10,7 @@ script, torchrun and the ranks. The tests and the fixture say "stand_in".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -101,13 +102,16 @@ def stand_in_pbs(tmp_path: Path):
     slurm_dir = write_commands(tmp_path / "slurmbin", {"qsub": SLURM_QSUB})
     home = tmp_path / "home"
     home.mkdir()
+    # A job id of its own, as a server gives: tests run side by side, and what a job derives from
+    # its id (its port, its processes' JOBGEN_JOB_ID) must not be another test's.
+    job_id = f"{100 + int(hashlib.sha1(str(tmp_path).encode()).hexdigest()[:8], 16) % 900000}.fakeserver"
     yield {
         "PATH": f"{slurm_dir}:{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         "FAKE_PBS_LOG": str(tmp_path / "pbs-calls.log"),
         "FAKE_PBS_TASKS": str(tmp_path / "pbs-tasks"),
-        "FAKE_PBS_SPOOL": str(tmp_path / "123.fakeserver.OU"),
+        "FAKE_PBS_SPOOL": str(tmp_path / f"{job_id}.OU"),
         "FAKE_PBS_SUBMITTED": str(tmp_path / "qsub-submitted.jsonl"),
-        "PBS_JOBID": "123.fakeserver",
+        "PBS_JOBID": job_id,
         "HOME": str(home),
     }
     # A failed test must not leave its tasks (and what they started) running.
@@ -240,7 +244,7 @@ def test_stand_in_pbs_jobgens_own_variables_reach_every_node_without_the_script_
     # variables do, and no rendered script names it for a reviewing admin to ask about.
     job = probe_job(2, 1)
     job["environment"]["setup"] = ['echo "${JOBGEN_DEBUG_STEP_DELAY:-unset}" > "$JOBGEN_RUN_DIR/delay-$NODE_RANK"']
-    # A job id of its own: the master port follows from it, and other stand-in jobs use 123's.
+    # A job id of its own, chosen here: the test reads the port that follows from it.
     job_id = {"pbs": "4711.fakeserver", "torque": "4712.fakeserver"}[flavour]
     env = {**stand_in_pbs, "PBS_JOBID": job_id, "JOBGEN_DEBUG_STEP_DELAY": "0.25"}
     result = run_pbs_script(tmp_path, flavour, job, nodefile, env)
