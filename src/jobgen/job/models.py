@@ -754,8 +754,8 @@ class Job(_Strict):
     def _training_or_own_command(cls, data: object) -> object:
         # Before the sections are read, so a command job with no training gets this line, not a
         # "field required" for training.model and training.data.
-        if not isinstance(data, dict):
-            return data
+        if not isinstance(data, dict) or any(not isinstance(key, str) for key in data):
+            return data  # a key that is not text: the line about it comes first
         launch = data.get("launch") if isinstance(data.get("launch"), dict) else {}
         if launch.get("command") is not None and data.get("training") is not None:
             raise ValueError("training is for jobgen-train; a job with launch.command runs its own program, which "
