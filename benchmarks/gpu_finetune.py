@@ -362,7 +362,7 @@ def exit_report(run_dir: Path) -> dict:
 
 
 def log_figures(run_dir: Path) -> dict:
-    text = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*-rank0.out")))
+    text = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").rglob("*-rank0.out")))
     saves = [float(s) for s in re.findall(r"checkpoint \S+ \(([\d.]+) s\)", text)]
     loads = [float(s) for s in re.findall(r"checkpoint loaded in ([\d.]+) s", text)]
     models = [float(s) for s in re.findall(r"model \S+ loaded in ([\d.]+) s", text)]

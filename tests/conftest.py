@@ -8,7 +8,8 @@ import pytest
 # closed port refuses at once; a test that needs a hub serves tests.hub_stand_in and points here.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
-pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.pbs_servers", "tests.local_run"]
+pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.hosts", "tests.cluster.pbs_servers", "tests.cluster.shared_fs",
+                  "tests.local_run"]
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ import yaml
 from tests.helpers import cannot_run, jobgen
 from tests.test_pbs_scripts import stand_in_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_job as slurm_probe_job
-from tests.test_slurm_submit import probe_records, submit_by_hand, wait_until_finished
+from tests.test_slurm_submit import node_addr, probe_records, submit_by_hand, wait_until_finished
 
 MODULE = "jobgen-test/1.0"
 # Tcl, which both module systems read. Loaded, it is in every rank's LOADEDMODULES; it refuses to
@@ -229,7 +229,29 @@ def test_srun_every_rank_has_the_module(module_system: dict, tmp_path: Path, mon
     job_id = submit_by_hand(config)
     run_dir = tmp_path / "runs" / "jobgen-test-modules"
     assert wait_until_finished(job_id) == "COMPLETED", batch_log(run_dir)
-    assert_every_rank_wired_with_the_module(run_dir, probe_records(run_dir)[0]["SLURMD_NODENAME"])
+    assert_every_rank_wired_with_the_module(run_dir, node_addr(probe_records(run_dir)[0]["SLURMD_NODENAME"]))
+
+
+HUGGING_FACE_CACHE = {"HF_HOME": "/shared/hf", "HF_HUB_CACHE": "/shared/hf/hub", "HF_HUB_OFFLINE": "1",
+                      "HF_ENDPOINT": "http://127.0.0.1:9", "TRANSFORMERS_CACHE": "/shared/hf/transformers",
+                      "HF_DATASETS_CACHE": "/shared/hf/datasets", "XDG_CACHE_HOME": "/shared/cache"}
+
+
+def test_stand_in_pbs_ssh_nodes_get_the_hugging_face_cache_of_the_submitting_shell(sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
+    # What `jobgen prepare` and `validate` used (the shell's cache, offline) is what every rank
+    # must use; a token is a secret, passed only when environment.secrets names it.
+    (tmp_path / "scratch").mkdir()
+    shell = {**HUGGING_FACE_CACHE, "TMPDIR": str(tmp_path / "scratch")}
+    names = [*shell, "HF_TOKEN"]
+    record = 'printf "%s\\n" ' + " ".join(f'"{name}=${{{name}-unset}}"' for name in names) + ' > "$JOBGEN_RUN_DIR/env-$NODE_RANK"'
+    job = pbs_job("ssh", modules=(), setup=(record,), ssh_options=sshd)
+    env = {**stand_in_pbs, **shell, "HF_TOKEN": "hf_not_for_the_nodes"}
+    result = run_pbs_script(tmp_path, "pbs", job, TWO_NODES, env, timeout=120)
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    assert result.returncode == 0, batch_log(run_dir) + result.stdout
+    for rank in (0, 1):
+        seen = dict(line.split("=", 1) for line in (run_dir / f"env-{rank}").read_text().splitlines())
+        assert seen == {**shell, "HF_TOKEN": "unset"}
 
 
 # --- A node that fails ends the job, every node with it -----------------------------------------

@@ -85,11 +85,31 @@ def test_roce_sets_the_gid_index_infiniband_does_not_and_each_export_says_why(tm
         "export NCCL_IB_GID_INDEX=3",
         "# launch.socket_ifname: the interface NCCL's bootstrap and socket transport use",
         "export NCCL_SOCKET_IFNAME=eth0",
+        "# launch.socket_ifname: the interface gloo's sockets use (CPU jobs, async_save's process groups)",
+        "export GLOO_SOCKET_IFNAME=eth0",
     ]
     assert exports(render(job_file(tmp_path, {"network": "ethernet"}))) == [
         "# launch.network ethernet: TCP sockets only: probing for IB devices where there are none hangs or warns",
         "export NCCL_IB_DISABLE=1",
     ]
+
+
+def test_socket_ifname_is_gloos_interface_too_on_cpus_and_gpus(tmp_path: Path) -> None:
+    for gpus in (0, 4):
+        config = job_file(tmp_path, {"socket_ifname": "=eth1", **({} if gpus else {"procs_per_node": 2})})
+        job = yaml.safe_load(config.read_text())
+        job["resources"]["gpus_per_node"] = gpus
+        config.write_text(yaml.safe_dump(job))
+        names = [line for line in exports(render(config)) if "SOCKET_IFNAME=" in line]
+        # NCCL's '=' (exactly this name) is not gloo's syntax: gloo gets the name alone.
+        assert names == (["export NCCL_SOCKET_IFNAME==eth1"] if gpus else []) + ["export GLOO_SOCKET_IFNAME=eth1"]
+    # '^' (every interface but these) has no gloo form: each node finds gloo's itself.
+    script = render(job_file(tmp_path, {"socket_ifname": "^docker0"}))
+    assert [line for line in exports(script) if "SOCKET_IFNAME=" in line] == ["export NCCL_SOCKET_IFNAME='^docker0'"]
+    config = job_file(tmp_path, {"socket_ifname": "ib0"}, {"GLOO_SOCKET_IFNAME": "eth0"})
+    result = jobgen("validate", str(config))
+    assert result.returncode == 2
+    assert "environment.variables.GLOO_SOCKET_IFNAME is 'eth0' but launch.socket_ifname sets GLOO_SOCKET_IFNAME to 'ib0'" in result.stderr
 
 
 def test_a_sites_gid_index_replaces_the_roce_default_in_one_export(tmp_path: Path) -> None:

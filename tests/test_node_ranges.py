@@ -32,7 +32,7 @@ def test_a_slurm_node_range_asks_for_the_range_and_takes_any_count_in_it(tmp_pat
     assert "world size 4, 6, 8" in script
     # The allocation decides the node count: any one in the range runs, one outside it does not.
     assert 'if (( NNODES < 2 || NNODES > 4 )); then' in script
-    check = script[script.index("if (( NNODES"):]
+    check = script[script.index("if (( NNODES < "):]
     check = check[: check.index("fi\n") + 3]
     for count, status in ((2, 0), (3, 0), (4, 0), (1, 2), (5, 2)):
         ran = subprocess.run(["bash", "-c", f"NNODES={count}; JOBGEN_HOSTS=(); {check}"], capture_output=True, text=True)

@@ -44,7 +44,7 @@ def test_in_a_pipe_submit_and_logs_follow_print_plain_progress_lines(stopped_and
 
 
 def test_the_log_files_stay_plain(stopped_and_resumed_run) -> None:
-    logs = {path.name: path.read_text() for path in (stopped_and_resumed_run.run_dir / "logs").iterdir()}
+    logs = {path.name: path.read_text() for path in (stopped_and_resumed_run.run_dir / "logs").rglob("*") if path.is_file()}
     node0 = "".join(text for name, text in sorted(logs.items()) if name.endswith("-node0.out"))
     assert re.search(rf"\[jobgen-train rank 0\] INFO step {STEPS}/{STEPS}  loss \d+\.\d{{4}}  [\d,]+ tokens/s  0:00 left", node0)
     assert not any("\x1b[K" in text for text in logs.values())  # the updating line is the reader's alone

@@ -20,7 +20,7 @@ from jobgen.job.layers import resolve_job
 from jobgen.job.models import Job
 from jobgen.script.render import job_yaml, render
 from jobgen.train.__main__ import load_job
-from tests.helpers import jobgen, node_script_of, shell_findings
+from tests.helpers import cannot_run, jobgen, node_script_of, shell_findings
 
 HOSTILE = [
     "$(touch PWNED)",
@@ -242,7 +242,8 @@ def test_render_imports_no_training_library_nor_plugin_scan(tmp_path: Path) -> N
 def test_schema_is_json_schema_of_the_job_file() -> None:
     result = jobgen("schema")
     schema = json.loads(result.stdout)
-    assert schema["title"] == "Job" and "training" in schema["required"]
+    # training or, for a program of the job's own, launch.command: neither is required alone
+    assert schema["title"] == "Job" and "training" in schema["properties"] and "command" in schema["$defs"]["Launch"]["properties"]
     assert "gpus_per_node" in schema["$defs"]["Resources"]["properties"]
     timeout = schema["$defs"]["Launch"]["properties"]["collective_timeout_minutes"]
     assert (timeout["default"], timeout["minimum"], timeout["maximum"]) == (30, 1, 1440)
@@ -258,20 +259,67 @@ def test_collective_timeout_is_whole_minutes_up_to_a_day(tmp_path: Path, minutes
     assert result.returncode == 2 and f"'launch.collective_timeout_minutes' is {minutes}" in result.stderr
 
 
+def master_ports(script: str, job_ids: list[str], ephemeral: tuple[int, int] | None = None) -> list[int]:
+    """The automatic MASTER_PORT of each job id, by the script's own lines; `ephemeral`: the
+    ephemeral port range of the network namespace they run in (a new one, as root)."""
+    lines = script.split("\n")
+    export = next(index for index, line in enumerate(lines) if line.startswith("export MASTER_PORT="))
+    first = max(index for index in range(export) if lines[index].startswith("#")) + 1  # below its comment
+    lines = "\n".join(lines[first:export + 1])
+    program = f'set -eo pipefail\nport() {{\n{lines}\n}}\nfor JOBGEN_JOB_ID in "$@"; do port; echo "$MASTER_PORT"; done'
+    argv = ["bash", "-c", program, "bash", *job_ids]
+    if ephemeral:
+        argv = ["unshare", "--net", "sh", "-c", 'echo "$1 $2" > /proc/sys/net/ipv4/ip_local_port_range && shift 2 && exec "$@"',
+                "sh", *map(str, ephemeral), *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [int(port) for port in out.stdout.split()]
+
+
+def local_script(tmp_path: Path) -> str:
+    return render(resolve_job(write_job(tmp_path / "j.yaml", cpu_job())), "local")
+
+
 def test_two_local_jobs_started_in_the_same_second_get_different_master_ports(tmp_path: Path) -> None:
     from jobgen.schedulers.local import local_job_id
 
-    script = render(resolve_job(write_job(tmp_path / "j.yaml", cpu_job())), "local")
-    line = next(line for line in script.splitlines() if line.startswith("export MASTER_PORT="))
-
-    def port(job_id: str) -> int:
-        out = subprocess.run(["bash", "-c", f"{line}; echo $MASTER_PORT"], env={"JOBGEN_JOB_ID": job_id},
-                             capture_output=True, text=True, check=True)
-        return int(out.stdout)
-
     now = 1795544591
-    ports = {port(local_job_id(now, pid)) for pid in (4242, 4243, 31337)}
-    assert len(ports) == 3 and all(20000 <= p < 40000 for p in ports), ports
+    ports = master_ports(local_script(tmp_path), [local_job_id(now, pid) for pid in (4242, 4243, 31337)])
+    assert len(set(ports)) == 3 and all(20000 <= p < 32768 for p in ports), ports
+
+
+def test_the_automatic_master_port_tells_array_tasks_and_job_ids_20000_apart_apart(tmp_path: Path) -> None:
+    # The job id's digits modulo 20000 gave each of these pairs one port.
+    pairs = [(f"{job}_0", f"{job}_10") for job in range(1111, 1211)] + [(str(job), str(job + 20000)) for job in range(400000, 400100)]
+    ports = master_ports(local_script(tmp_path), [job_id for pair in pairs for job_id in pair])
+    same = [pair for pair, first, second in zip(pairs, ports[::2], ports[1::2]) if first == second]
+    assert ("1111_0", "1111_10") not in same
+    # A hash into 12,768 ports: two ids collide about once in 12,768, 0.016 of these 200 pairs.
+    assert len(same) <= 1, same
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    job_ids=st.lists(st.one_of(
+        st.integers(1, 10**9).map(str),  # Slurm
+        st.tuples(st.integers(1, 10**7), st.integers(0, 99999)).map(lambda t: f"{t[0]}_{t[1]}"),  # a Slurm array task
+        st.tuples(st.integers(1, 10**7), st.sampled_from(["pbs01", "head.cluster.local"])).map(lambda t: f"{t[0]}.{t[1]}"),  # PBS
+        st.tuples(st.integers(1, 10**7), st.integers(0, 999)).map(lambda t: f"{t[0]}[{t[1]}].server"),  # a PBS array subjob
+    ), min_size=1, max_size=20),
+    ephemeral=st.one_of(
+        st.just((32768, 60999)),  # Linux's default
+        st.tuples(st.integers(1024, 65535), st.integers(1024, 65535)).map(sorted).map(tuple),
+    ),
+)
+def test_the_automatic_master_port_is_never_an_ephemeral_port_of_the_node(tmp_path: Path, job_ids: list[str], ephemeral: tuple[int, int]) -> None:
+    if os.geteuid() != 0:
+        cannot_run("setting a network namespace's ephemeral port range needs root")
+    low, high = ephemeral
+    outside = (low - 20000 >= 1024) or (65535 - high >= 1024)
+    for port in master_ports(local_script(tmp_path), job_ids, ephemeral):
+        assert 1024 <= port <= 65535
+        if outside:  # else there is no room outside it, and the ports are 20000-32767
+            assert not low <= port <= high, (port, ephemeral)
 
 
 def test_names_in_other_scripts_keep_two_jobs_apart_and_say_how_they_are_written(tmp_path: Path) -> None:

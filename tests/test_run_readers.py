@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobgen.rundir.files import rank_log
 from tests.helpers import jobgen
 
 
@@ -41,7 +42,8 @@ def write_run(run_dir: Path, state: Path, jobs: list[dict], *, nodes: int = 2, p
         (run_dir / "logs" / f"{job_id}.out").write_text(f"batch log of {job_id}\n")
         for k in range(nodes):
             (run_dir / "logs" / f"{job_id}-node{k}.out").write_text(f"node {k} of {job_id}\n")
-        (run_dir / "logs" / f"{job_id}-rank1.out").write_text(f"rank 1 of {job_id}\n")
+        (run_dir / rank_log(job_id, 1)).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rank_log(job_id, 1)).write_text(f"rank 1 of {job_id}\n")
     return run_dir
 
 

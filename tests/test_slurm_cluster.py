@@ -47,7 +47,7 @@ def test_all_six_nodes_are_up(slurm_cluster):
 
 
 def test_node_names_resolve_for_rendezvous(slurm_cluster):
-    # A launcher's MASTER_ADDR is the first node's name, as on a real cluster.
+    # Every node is at 127.0.0.1 (NodeAddr), and so is its name: jobs' MASTER_ADDR is the NodeAddr.
     assert {socket.gethostbyname(node) for node in slurm_cluster.nodes + slurm_cluster.binding_nodes} == {"127.0.0.1"}
 
 

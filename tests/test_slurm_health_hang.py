@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobgen.rundir.files import rank_log
+from jobgen.train.heartbeat import detection_delay
 from tests.helpers import jobgen
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
@@ -64,7 +66,7 @@ def test_a_node_with_another_package_version_ends_the_job_before_the_model_loads
     assert health["nodes"][second]["differed"] == ["peft"]
     # Before the model loads: no rank reached it, so no start-up record and no checkpoint.
     assert not (run_dir / "output" / "startup.jsonl").exists()
-    assert "model " not in (run_dir / "logs" / f"{job_id}-rank0.out").read_text().split("health check")[-1]
+    assert "model " not in (run_dir / rank_log(job_id, 0)).read_text().split("health check")[-1]
     status = jobgen("status", str(run_dir)).stdout
     assert f"health check of job {job_id}: {line}" in status
 
@@ -111,7 +113,7 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     detected = hang["at"] - stopped_at
     assert hang["nodes"] == nodes[1], hang
     assert f"stopped first: node {nodes[1]} (rank 1: stopped)" in hang["message"], hang
-    assert detected <= hang["bound_seconds"] + 15, (detected, hang)
+    assert detected <= hang["bound_seconds"] + detection_delay(len(nodes)), (detected, hang)  # docs/exit-codes.md
     assert wait_until_done(job_id) == "COMPLETED"  # it ended by submitting its continuation
     first = segments(run_dir)[0]
     assert first["outcome"] == "hung"
@@ -121,8 +123,8 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     assert "submitted without node(s)" in log
     # Every rank's stack is in its log.
     for rank in (0, 1):
-        rank_log = (run_dir / "logs" / f"{job_id}-rank{rank}.out").read_text()
-        assert "jobgen hang supervisor: rank" in rank_log and "File " in rank_log, rank
+        text = (run_dir / rank_log(job_id, rank)).read_text()
+        assert "jobgen hang supervisor: rank" in text and "File " in text, rank
     continuation = wait_for(lambda: len(segments(run_dir)) > 1 and segments(run_dir)[1]["job_id"], "the continuation to start", timeout=600)
     assert wait_until_done(continuation, timeout=600) == "COMPLETED"
     assert nodes[1] not in hostnames(job_fields(continuation)["NodeList"])

@@ -69,6 +69,11 @@ def submit_with_jobgen(config: Path) -> str:
     return result.stdout.strip()
 
 
+def node_addr(node: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, check=True).stdout
+    return shown.split("NodeAddr=", 1)[1].split()[0]
+
+
 def probe_records(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"), key=lambda p: int(p.stem[5:]))]
 
@@ -78,6 +83,18 @@ def test_every_rendered_example_passes_sbatch_test_only(example: Path, tmp_path:
     result = subprocess.run(["sbatch", "--test-only", str(example)], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "to start at" in result.stderr
+
+
+def test_the_master_is_the_first_nodes_node_addr_or_its_name_where_scontrol_does_not_say(tmp_path: Path) -> None:
+    # The script's own lines, run against the test cluster: node1's NodeAddr is 127.0.0.1.
+    result = jobgen("render", "-s", "slurm", str(probe_job(tmp_path, "addr", 2, 1)))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("jobgen_master_addr=", "export MASTER_ADDR="))]
+    assert len(lines) == 3 and "scontrol show node" in lines[1], lines  # empty, from scontrol, the export
+    for first, master in [("node1", "127.0.0.1"), ("not-a-node", "not-a-node")]:
+        shown = subprocess.run(["bash", "-c", f"set -eo pipefail; JOBGEN_HOSTS=({first} node2)\n" + "\n".join(lines) + '\necho "$MASTER_ADDR"'],
+                               capture_output=True, text=True, timeout=30)
+        assert (shown.returncode, shown.stdout.strip()) == (0, master), shown.stderr
 
 
 @pytest.mark.parametrize("path", ["sbatch", "jobgen submit"])
@@ -92,13 +109,17 @@ def test_every_rank_is_wired_and_reaches_the_others(tmp_path: Path, path: str, n
     world = nodes * procs
     assert len(records) == world
     master_node = records[0]["SLURMD_NODENAME"]
+    # The master is the first node's NodeAddr, which the other nodes reach, not its NodeName
+    # (127.0.0.1 here: tests/cluster/slurm-cluster.sh declares it so, and the names are not).
+    master_addr = node_addr(master_node)
+    assert master_addr == "127.0.0.1"
     for rank, record in enumerate(records):
         assert record["RANK"] == str(rank)
         assert record["LOCAL_RANK"] == str(rank % procs)
         assert record["WORLD_SIZE"] == str(world)
         assert record["NODE_RANK"] == str(rank // procs) == record["SLURM_NODEID"]
         assert record["NNODES"] == str(nodes)
-        assert record["MASTER_ADDR"] == master_node
+        assert record["MASTER_ADDR"] == master_addr
         assert record["all_reduce_sum"] == world * (world + 1) / 2
     assert len({r["SLURMD_NODENAME"] for r in records}) == nodes, "two node ranks ran on one node"
     segments = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]

@@ -62,8 +62,18 @@ def _model_at(model: type[BaseModel], loc: Iterable[Any]) -> Any:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return None
-        current = field.annotation
+        current = _section_type(field.annotation)
     return current
+
+
+def _section_type(annotation: Any) -> Any:
+    """The model an annotation names, seeing through Optional (a section a job may leave out)."""
+    import typing
+
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation
 
 
 def _literal_choices(item: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from jobgen.rundir.files import rank_log
 from tests.train.conftest import subprocess_env
 
 RANK0 = textwrap.dedent(
@@ -35,4 +36,4 @@ def test_rank0_last_line_reaches_the_node_log_and_tee_ends_though_a_library_kept
     assert done.returncode == 0, node_log.read_text()
     assert json.loads(result.read_text())["tee_ended"], result.read_text()
     assert "the last line" in node_log.read_text()
-    assert "the last line" in (tmp_path / "logs" / "7-rank0.out").read_text()
+    assert "the last line" in (tmp_path / rank_log("7", 0)).read_text()

@@ -12,9 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
+from jobgen.rundir.files import rank_log
 from jobgen.train import health
+from jobgen.train.console import open_rank_log
 from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
-                                    hang_bound, stopped_first)
+                                    hang_bound, node_silent, stopped_first)
 
 
 def test_a_node_off_the_majority_is_named_with_what_the_others_have() -> None:
@@ -106,7 +108,7 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
         supervisor = Supervisor.from_env()
         ranks = []
         for rank in (0, 1):
-            log = open(run_dir / "logs" / f"77-rank{rank}.out", "a")  # as a rank's log is: appended to
+            log = os.fdopen(open_rank_log(str(run_dir), "77", rank), "a")  # as a rank's log is: appended to
             ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(rank), "node1"], stdout=subprocess.PIPE,
                                           stderr=log, text=True))
         for proc in ranks:
@@ -127,19 +129,112 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
     assert "stopped first: node node1 (rank 1: stopped)" in hang["message"]
     assert took < 4 + 10
     for rank in (0, 1):
-        text = (run_dir / "logs" / f"77-rank{rank}.out").read_text()
+        text = (run_dir / rank_log("77", rank)).read_text()
         assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
 
 
-def test_a_node_whose_supervisor_has_gone_silent_is_the_one_that_stopped(tmp_path: Path) -> None:
-    """A whole node frozen: its own supervisor stops publishing, and the others must name it."""
+def test_a_node_whose_summary_stops_changing_is_silent_by_the_readers_own_clock(tmp_path: Path) -> None:
+    """A whole node frozen: its own supervisor stops publishing, and the readers must name it.
+    What counts is how long the reader has seen the same summary, by its own clock, not the time
+    written inside (node 2's says it is fresh)."""
     shared = tmp_path / "heartbeat"
     shared.mkdir()
-    now = time.time()
-    for node, at in ((1, now - 1), (2, now - 120)):
-        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "at": at, "ranks": [
+
+    def publish(node: int, seq: int) -> None:
+        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "seq": seq,
+                                                              "at": time.time(), "ranks": [
             {"rank": node, "node": f"gpu{node}", "step": 9, "waiting": False, "alive": True, "state": "waiting"}]}))
-    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=3, override=None)
+
+    reader_clock = [1000.0]
+    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=3, override=None, clock=lambda: reader_clock[0])
     mine = [{"rank": 0, "node": "gpu0", "step": 9, "waiting": True, "alive": True, "state": "waiting"}]
+    publish(1, 1), publish(2, 1)
+    assert all(r["state"] == "waiting" for r in supervisor.all_ranks(mine))
+    reader_clock[0] += node_silent(3) + 1
+    publish(1, 2)  # node 1 goes on publishing; node 2 does not
     first = stopped_first(supervisor.all_ranks(mine))
     assert [(r["rank"], r["state"]) for r in first] == [(2, "silent node")]
+
+
+SUPERVISOR = textwrap.dedent("""
+    import os, subprocess, sys, time
+    real_time = time.time
+    time.time = lambda: real_time() + float(sys.argv[1])  # this node's wall clock, off by argv[1] seconds
+    from jobgen.train import heartbeat
+    from jobgen.train.console import open_rank_log
+    # Seconds instead of tens, so that the test takes seconds: publish, read and follow every second.
+    heartbeat.PUBLISH_EVERY = heartbeat.FOLLOW_EVERY = 1.0
+    heartbeat.NODE_SILENT = 4.0
+    heartbeat.read_every = lambda nnodes: 1.0
+    supervisor = heartbeat.Supervisor.from_env()
+    node = os.environ["NODE_RANK"]
+    with os.fdopen(open_rank_log(os.environ["JOBGEN_RUN_DIR"], "9", int(node)), "a") as log:
+        rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], node, "node" + node], stdout=subprocess.PIPE,
+                                stderr=log, text=True)
+    assert rank.stdout.readline().strip() == "ready"
+    supervisor.start()
+    print(rank.pid, flush=True)
+    rank.wait()
+    supervisor.close()
+""")
+
+
+def test_a_node_whose_clock_is_60_s_behind_is_not_silent_monkeypatched_clock_as_namespaces_share_the_kernels(
+        tmp_path: Path) -> None:
+    """Three nodes, each a real supervisor process with a real rank. Node 1's wall clock is 60 s
+    behind (time.time patched in its process: separate hosts on this machine would share the
+    kernel's clock). Node 2 is really frozen (SIGSTOP, supervisor and rank). The hang found must
+    name node 2 alone: node 1 is neither named nor excluded."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    nodes, ranks = [], []
+    for node, skew in ((0, 0.0), (1, -60.0), (2, 0.0)):
+        env = dict(os.environ, JOBGEN_RUN_DIR=str(run_dir), JOBGEN_JOB_ID="9", JOBGEN_RESTART_COUNT="0",
+                   NODE_RANK=str(node), NNODES="3", JOBGEN_HANG_SECONDS="10")
+        env.pop("JOBGEN_HEARTBEAT_DIR", None)
+        nodes.append(subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(skew), RANK], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    try:
+        ranks = [int(proc.stdout.readline()) for proc in nodes]
+        deadline = time.monotonic() + 20
+        while not all((run_dir / "heartbeat" / f"node-{k}.json").exists() for k in range(3)):
+            assert time.monotonic() < deadline, "the supervisors published no summary"
+            time.sleep(0.2)
+        for pid in (nodes[2].pid, ranks[2]):
+            os.kill(pid, signal.SIGSTOP)
+        codes = [proc.wait(timeout=60) for proc in nodes[:2]]
+    finally:
+        for pid in (nodes[2].pid, ranks[2]):
+            os.kill(pid, signal.SIGKILL)
+        for proc in nodes:
+            proc.kill()
+            proc.wait()
+    assert codes == [0, 0]
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert hang["nodes"] == "node2", hang["message"]  # what the batch script excludes on the requeue
+    assert "stopped first: node node2 (rank 2: silent node)" in hang["message"]
+
+
+def test_only_nodes_0_and_1_read_every_summary_and_nodes_2_and_3_take_over_when_both_are_silent(tmp_path: Path) -> None:
+    """At 512 nodes every node reading every summary was 261,632 opens a second on the shared file
+    system; now two nodes read them, and two stand by."""
+    shared = tmp_path / "heartbeat"
+    shared.mkdir()
+    reader_clock = [0.0]
+
+    def publish(node: int, seq: int) -> None:
+        (shared / f"node-{node}.json").write_text(json.dumps({"job_id": "5", "restart": "0", "seq": seq, "ranks": [
+            {"rank": node, "node": f"gpu{node}", "step": 9, "waiting": False, "alive": True, "state": "waiting"}]}))
+
+    def supervisor(node: int) -> Supervisor:
+        return Supervisor(str(tmp_path), "5", "0", node_rank=node, nnodes=512, override=None,
+                          clock=lambda: reader_clock[0])
+
+    publish(0, 1), publish(1, 1)
+    nodes = {k: supervisor(k) for k in (0, 1, 2, 3, 4, 511)}
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1]
+    reader_clock[0] += node_silent(512) + 1
+    publish(1, 2)  # node 0 is silent, node 1 reads on: nobody takes over
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1]
+    reader_clock[0] += node_silent(512) + 1
+    assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1, 2, 3]

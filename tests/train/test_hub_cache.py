@@ -191,7 +191,7 @@ def model_warnings(stderr: str) -> list[str]:
 
 
 def run_logs(run_dir: Path) -> str:
-    return "".join(path.read_text(errors="replace") for path in sorted((run_dir / "logs").iterdir()))
+    return "".join(path.read_text(errors="replace") for path in sorted((run_dir / "logs").rglob("*")) if path.is_file())
 
 
 def test_a_staged_model_trains_with_the_hub_offline(tiny: Path, hf_home: Path, tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def test_a_staged_model_missing_its_weights_fails_on_the_node_in_one_line(tiny: 
             f"{broken}/hub/models--jobgen-test--tiny/snapshots/{COMMIT}; run `jobgen prepare JOB.yaml` on a machine with internet")
     assert line in logs, logs
     # Every log: the rank's, the node's (torchrun's report of the failed rank is one line) and the job's.
-    assert all("Traceback" not in path.read_text() for path in (run_dir / "logs").glob("*"))
+    assert all("Traceback" not in path.read_text() for path in (run_dir / "logs").rglob("*") if path.is_file())
     assert json.loads((run_dir / "trainer-exit.json").read_text())["failure"] == "user_error"
 
 

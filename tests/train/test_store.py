@@ -19,7 +19,7 @@ from jobgen.job.conversations import load_conversations
 from jobgen.job.models import Training
 from jobgen.train.data import ChatTokenizer, TokenizedDataset, pack_rows
 from jobgen.train.modeling import load_tokenizer
-from jobgen.train.store import COMPLETE, ensure_store, inputs_for, store_key
+from jobgen.train.store import COMPLETE, ensure_store, inputs_for, prepare_once, store_key
 from tests.train.conftest import subprocess_env
 
 
@@ -175,6 +175,49 @@ def test_bad_data_is_one_line_for_the_preparer_and_for_every_waiting_rank(tiny, 
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"jobgen: error: {data}: record 3 (id 'x')")
+
+
+def test_a_preparers_error_stamped_2_min_behind_this_clock_still_reaches_the_waiting_rank(tmp_path):
+    """Another node's preparer fails while this rank waits, and the file server stamps its error
+    two minutes behind this node's clock: the rank sees the file appear, so the error is this
+    start's (no clock is compared), and it ends with the preparer's line instead of waiting on."""
+    target = str(tmp_path / "KEY")
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            prepare_once(target, lambda temp: None, preparer=False)
+        except UserError as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    time.sleep(0.5)
+    written = tmp_path / "written-elsewhere"
+    written.write_text("data.json: record 3 (id 'x'): conversations[0].from is 'bot'\n")
+    os.utime(written, (time.time() - 120, time.time() - 120))
+    os.replace(written, target + ".failed")  # as it arrives: whole, with the server's time
+    waiting.join(timeout=10)
+    assert [str(e) for e in errors] == ["data.json: record 3 (id 'x'): conversations[0].from is 'bot'"]
+
+
+def test_an_earlier_starts_error_is_tried_again_and_this_segments_is_not(tmp_path, monkeypatch):
+    """A TARGET.failed that was there before this start is an earlier start's (redone), unless it
+    names this job segment: a rank that starts after its node's preparer failed still ends."""
+    target = str(tmp_path / "KEY")
+    (tmp_path / "KEY.failed").write_text("an old error\n")
+    assert prepare_once(target, lambda temp: os.makedirs(os.path.join(temp, COMPLETE)), preparer=True) == "prepared"
+    monkeypatch.setenv("JOBGEN_JOB_ID", "31")
+    monkeypatch.setenv("JOBGEN_RESTART_COUNT", "2")
+    other = str(tmp_path / "OTHER")
+
+    def fails(temp: str) -> None:
+        raise UserError("the data is bad")
+
+    with pytest.raises(UserError, match="^the data is bad$"):
+        prepare_once(other, fails, preparer=True)
+    with pytest.raises(UserError, match="^the data is bad$"):  # a waiting rank that started later
+        prepare_once(other, lambda temp: None, preparer=False)
 
 
 def test_a_job_tokenizes_once_on_its_workers_and_its_restart_finds_the_store(tiny, tools, tmp_path):

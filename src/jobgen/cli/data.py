@@ -45,7 +45,7 @@ def data(config: Path, site: Optional[str], overrides: tuple[str, ...], count: i
     from jobgen.train.samples import pieces
 
     job = resolve(config, site, overrides).job
-    training, base = job.training, working_directory(job)  # paths as the nodes resolve them
+    training, base = job.training_for("jobgen data"), working_directory(job)  # paths as the nodes resolve them
     local = os.path.join(base, training.model)
     model = local if os.path.exists(local) else training.model  # else a hub name, as the trainer reads it
     template = training.chat_template

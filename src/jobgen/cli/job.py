@@ -115,11 +115,15 @@ def validate(
 
         check_templates(folders)
     checked = f"checked for {scheduler}" if scheduler else "not checked against a scheduler (give --scheduler)"
+    if job.training is None:
+        what = f"runs its own program ({job.launch.command[0]} ...; launch.command)"
+    else:
+        what = (f"global batch {job.global_batch}; {planned_steps(job)}; {job.training.method}, "
+                f"ZeRO-{job.training.zero_stage}, {job.training.precision}")
     click.echo(
         f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
         f"{'-'.join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))} ({job.backend}); "
-        f"global batch {job.global_batch}; {planned_steps(job)}; {job.training.method}, "
-        f"ZeRO-{job.training.zero_stage}, {job.training.precision}; {checked}"
+        f"{what}; {checked}"
     )
     if sweep is not None:
         click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
@@ -218,6 +222,8 @@ def submit(
 def _check_point_files(base, points) -> None:
     """The files of points that sweep them (training.data, training.model and its revision), once per new set."""
     def files(training) -> tuple:
+        if training is None:  # a program of the job's own: no files of jobgen's
+            return ()
         data = training.data if isinstance(training.data, str) else tuple(training.data)
         return data, training.model, training.model_revision, training.data_format
 

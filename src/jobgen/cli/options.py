@@ -168,7 +168,7 @@ def deepspeed_findings(job) -> list[str]:
     from jobgen.rundir.model_pin import at_its_pin
     from jobgen.train.dsconfig import check_job_deepspeed
 
-    path = job.training.deepspeed_config
+    path = job.training.deepspeed_config if job.training is not None else None
     if not path or job.launch.entrypoint == "jobgen-probe" or not os.path.isfile(os.path.join(working_directory(job), path)):
         return []
     try:
@@ -185,7 +185,7 @@ def check_files(job) -> None:
 
     job = at_its_pin(job)  # a resubmitted run loads the commit it started with
     warnings = check_job_files(job)
-    if job.launch.entrypoint != "jobgen-probe":
+    if job.launch.entrypoint != "jobgen-probe" and job.training is not None:
         warnings += check_job_deepspeed(job, working_directory(job))
     for warning in warnings:
         click.echo(f"jobgen: warning: {warning}", err=True)

@@ -30,7 +30,7 @@ def prepare(config: Path, site: Optional[str], overrides: tuple[str, ...], proce
     resolved = resolve(config, site, overrides)
     job = resolved.job
     base = Path(job.environment.workdir or os.getcwd())
-    training = job.training
+    training = job.training_for("jobgen prepare")
     model = str(base / training.model) if (base / training.model).exists() else training.model
     template = training.chat_template
     if template not in (None, "chatml", "tokenizer"):  # a Jinja file, as the trainer resolves it

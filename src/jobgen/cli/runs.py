@@ -124,7 +124,8 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
     \b
     All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
-    JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0), JOBID-rankR.out.
+    JOBID.out (the batch script), JOBID-nodeK.out (torchrun and rank 0),
+    JOBID-ranks/0-999/JOBID-rankR.out (--rank R finds it).
     A sweep's folder prints every point's, each under a `==> POINT (JOBID) <==` line, e.g.
     jobgen logs runs/NAME --node 0; a point's folder (or ARRAYID_K on Slurm), that point's.
     """

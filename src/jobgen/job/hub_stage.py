@@ -32,7 +32,7 @@ def stage_model(job: Job, progress: Callable[[str], None] = print, tqdm_class: O
     from jobgen.job.model_reference import HUB_NAME
     from jobgen.job.preflight import working_directory
 
-    training = job.training
+    training = job.training_for("jobgen prepare")
     if not HUB_NAME.match(training.model) or os.path.exists(os.path.join(working_directory(job), training.model)):
         progress(f"training.model: {training.model} is a local folder; nothing to stage")
         return None

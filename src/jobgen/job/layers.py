@@ -109,6 +109,16 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
 
 def job_warnings(job: Job) -> list[str]:
     """Choices that run but are probably not what the user wants."""
+    warnings = _training_warnings(job) if job.training is not None else []
+    if job.written_name != job.name:
+        where = "job name" if job.run_dir else f"job name and the run directory {job.effective_run_dir}"
+        warnings.append(f"name {job.name!r} is written {job.written_name!r} for the scheduler's {where}")
+    warnings += not_nccl_warnings(job.environment.variables)
+    return warnings
+
+
+def _training_warnings(job: Job) -> list[str]:
+    """job_warnings' part about jobgen-train's settings."""
     warnings = []
     if job.training.zero_stage == 3 and job.resources.max_nodes > 1:
         warnings.append(
@@ -129,8 +139,4 @@ def job_warnings(job: Job) -> list[str]:
             f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "
             "64-256, the usual range for LoRA fine-tunes"
         )
-    if job.written_name != job.name:
-        where = "job name" if job.run_dir else f"job name and the run directory {job.effective_run_dir}"
-        warnings.append(f"name {job.name!r} is written {job.written_name!r} for the scheduler's {where}")
-    warnings += not_nccl_warnings(job.environment.variables)
     return warnings

@@ -190,7 +190,8 @@ class Launch(_Strict):
         None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
     )
     master_port: int | Literal["auto"] = Field(
-        "auto", description="'auto' derives it from the job id, so two jobs on one node differ"
+        "auto", description="'auto' is a hash of the whole job id, from 20000 up to the master node's ephemeral "
+        "ports (ip_local_port_range), so two jobs on one node seldom collide"
     )
     rendezvous: Literal["static", "c10d"] = "static"
     network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
@@ -199,7 +200,11 @@ class Launch(_Strict):
     health_check: bool = Field(
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
-    socket_ifname: Optional[str] = Field(None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", description="NCCL_SOCKET_IFNAME")
+    socket_ifname: Optional[str] = Field(
+        None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$",
+        description="the interface of NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); unset, "
+        "each node takes the one that routes to MASTER_ADDR",
+    )
     nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
     collective_timeout_minutes: int = Field(
         30, ge=1, le=24 * 60,
@@ -210,6 +215,34 @@ class Launch(_Strict):
     )
     entrypoint: Literal["jobgen-train", "jobgen-probe"] = Field(
         "jobgen-train", description="jobgen-probe checks ranks and rendezvous in seconds, without a model"
+    )
+    command: Optional[list[str]] = Field(
+        None,
+        description="the job's own program in place of jobgen-train, started by torchrun once per process on every "
+        "node (same rendezvous, environment, containers, logs), e.g. [python, finetune.py, --deepspeed, ds.json]: "
+        "a list of words, as torchrun starts it (no shell between them, each written shell-quoted), so a YAML flow "
+        "list reads as the command line and a word with spaces stays one word. training is then not given: the "
+        "program reads its own settings. README: 'Your own training script'",
+    )
+    stop_signal: Literal["TERM", "USR1", "USR2", "INT"] = Field(
+        "TERM",
+        description="launch.command only: the signal every rank gets at the time limit's warning or a stop request, "
+        "then requeue.warning_seconds to save and exit 0 (a preemption on Slurm also sends SIGTERM to every process)",
+    )
+    resume_argument: Optional[str] = Field(
+        None,
+        description="launch.command only: words added to the command when a complete checkpoint exists, "
+        "{checkpoint} standing for its path, e.g. '--resume_from_checkpoint {checkpoint}'; none at the first start",
+    )
+    checkpoints: str = Field(
+        "trainer_output/checkpoint-*", min_length=1,
+        description="launch.command only: a glob of the program's checkpoint folders, relative to the working "
+        "directory (the Hugging Face Trainer's output_dir/checkpoint-*); the highest number in a name is the newest",
+    )
+    checkpoint_complete_file: Optional[str] = Field(
+        "trainer_state.json",
+        description="launch.command only: the file a checkpoint holds once it is complete (the Trainer writes "
+        "trainer_state.json last); a match without it is never passed. null: every match is complete",
     )
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
@@ -234,6 +267,66 @@ class Launch(_Strict):
     def _ssh_options(cls, value: list[str]) -> list[str]:
         check_ssh_options(value)
         return value
+
+    @property
+    def command_line(self) -> Optional[str]:
+        """launch.command as one shell line (words with spaces quoted), for messages and comments."""
+        import shlex
+
+        return shlex.join(self.command) if self.command is not None else None
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_is_words(cls, value: object) -> object:
+        if isinstance(value, str):
+            import shlex
+
+            raise ValueError(f"give the program and its arguments as a list of words, e.g. command: {_flow_list(shlex.split(value) or ['python', 'train.py'])}")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command_has_a_program(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None and (not value or not value[0].strip()):
+            raise ValueError("needs the program and its arguments, e.g. [python, finetune.py]")
+        for word in value or ():
+            if "\n" in word or "\r" in word or "\0" in word:
+                raise ValueError(f"{word!r}: each word is one line; give several words instead")
+        return value
+
+    @field_validator("resume_argument")
+    @classmethod
+    def _resume_names_the_checkpoint(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and "{checkpoint}" not in value:
+            raise ValueError(f"{value!r} does not say where the checkpoint goes: write {{checkpoint}} for its path, "
+                             "e.g. '--resume_from_checkpoint {checkpoint}'")
+        return value
+
+    @field_validator("checkpoint_complete_file")
+    @classmethod
+    def _complete_file_is_a_name(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and (not value or "/" in value or not value.isprintable()):
+            raise ValueError(f"{value!r} must be one file name inside a checkpoint folder, e.g. trainer_state.json")
+        return value
+
+    @model_validator(mode="after")
+    def _command_or_entrypoint(self) -> "Launch":
+        if self.command is not None and "entrypoint" in self.model_fields_set:
+            raise ValueError(f"launch.command and launch.entrypoint ({self.entrypoint}) are both set: give one, "
+                             "the job's own program or jobgen's")
+        if self.command is None:
+            own = [name for name in ("resume_argument", "stop_signal", "checkpoints", "checkpoint_complete_file")
+                   if name in self.model_fields_set]
+            if own:
+                raise ValueError(f"launch.{own[0]} is for a program of the job's own: set launch.command too, or drop it")
+        return self
+
+
+def _flow_list(words: list[str]) -> str:
+    """Words as a YAML flow list, for an error message: [python, train.py, --lr, '1e-4']."""
+    import json
+
+    return "[" + ", ".join(w if re.fullmatch(r"[A-Za-z_./-][\w./=-]*", w) and w not in ("true", "false", "null") else json.dumps(w) for w in words) + "]"
 
 
 # OpenSSH's (9.x) option letters: flags, options that take a value, and options that would keep
@@ -631,7 +724,9 @@ class Job(_Strict):
     resources: Resources = Field(default_factory=Resources)
     launch: Launch = Field(default_factory=Launch)
     environment: Environment = Field(default_factory=Environment)
-    training: Training
+    training: Optional[Training] = Field(
+        None, description="the fine-tune jobgen-train runs; required unless launch.command names the job's own program",
+    )
     requeue: Requeue = Field(default_factory=Requeue)
     container: Container = Field(default_factory=Container)
     extra_directives: list[str] = Field(
@@ -654,6 +749,22 @@ class Job(_Strict):
                 raise ValueError(f"{line!r} must be one directive line, such as '#SBATCH --reservation=ft' or '#PBS -m a'")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _training_or_own_command(cls, data: object) -> object:
+        # Before the sections are read, so a command job with no training gets this line, not a
+        # "field required" for training.model and training.data.
+        if not isinstance(data, dict) or any(not isinstance(key, str) for key in data):
+            return data  # a key that is not text: the line about it comes first
+        launch = data.get("launch") if isinstance(data.get("launch"), dict) else {}
+        if launch.get("command") is not None and data.get("training") is not None:
+            raise ValueError("training is for jobgen-train; a job with launch.command runs its own program, which "
+                             "reads its own settings: drop the training section (give them on the command line)")
+        if launch.get("command") is None and data.get("training") is None:
+            raise ValueError("training is missing: give training.model and training.data for jobgen-train, or "
+                             "launch.command for a program of your own")
+        return data
+
     @model_validator(mode="after")
     def _procs_match_gpus(self) -> "Job":
         gpus, procs = self.resources.gpus_per_node, self.launch.procs_per_node
@@ -669,6 +780,8 @@ class Job(_Strict):
         twice = nccl.conflict(self.launch, self.environment.variables)
         if twice:
             raise ValueError(twice)
+        if self.training is None:
+            return self  # the job's own program: its settings are its own
         if self.training.method == "qlora" and self.training.zero_stage == 3:
             raise ValueError("training.method qlora does not work with training.zero_stage 3; use zero_stage 2")
         if gpus == 0:
@@ -711,9 +824,26 @@ class Job(_Strict):
         ppn = self.procs_per_node
         return range(self.resources.min_nodes * ppn, self.resources.max_nodes * ppn + 1, ppn)
 
+    def training_for(self, what: str) -> Training:
+        """training, or JobgenError naming `what` needs it (a job with launch.command has none)."""
+        if self.training is None:
+            from jobgen.errors import JobgenError
+
+            raise JobgenError(f"{what} is for jobgen-train's training section; this job runs its own program "
+                              f"(launch.command: {self.launch.command[0]} ...), which jobgen does not read")
+        return self.training
+
     @property
-    def global_batch(self) -> int:
+    def own_command(self) -> bool:
+        """True when the job runs a program of its own (launch.command), not jobgen-train or jobgen-probe."""
+        return self.launch.command is not None
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Samples per optimizer step; None for a program of the job's own (its batch is its own)."""
         t = self.training
+        if t is None:
+            return None
         return t.global_batch_size or t.per_device_batch_size * self.world_size * t.gradient_accumulation
 
     @property

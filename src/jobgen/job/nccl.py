@@ -1,5 +1,6 @@
 """NCCL's environment variables as a job sets them: what each `launch.network` preset exports and
-why, the launch fields that are NCCL variables, and names NCCL never reads.
+why, the launch fields that are NCCL variables, and names NCCL never reads. `launch.socket_ifname`
+is gloo's interface too (GLOO_SOCKET_IFNAME): CPU jobs and async_save's groups talk over gloo.
 
 A variable has one setting: `environment.variables` may replace a preset's default (a site's RoCE
 GID index), but a value that contradicts a launch field or what a preset is for is refused, and
@@ -64,6 +65,18 @@ NOT_NCCL: dict[str, str] = {
 }
 
 
+GLOO_REASON = "the interface gloo's sockets use (CPU jobs, async_save's process groups)"
+
+
+def gloo_socket_ifname(socket_ifname: Optional[str]) -> Optional[str]:
+    """GLOO_SOCKET_IFNAME for launch.socket_ifname: gloo takes a comma-separated list of names but
+    not NCCL's prefixes: '=' (exact names) is dropped; '^' (all but these) has no gloo form, so
+    then each node finds its interface toward the master as without the field (node_setup.sh.j2)."""
+    if socket_ifname is None or socket_ifname.startswith("^"):
+        return None
+    return socket_ifname.removeprefix("=")
+
+
 def launch_settings(launch: Any) -> dict[str, tuple[str, str]]:
     """What the job's launch section sets: variable -> (value, the field that sets it)."""
     settings: dict[str, tuple[str, str]] = {}
@@ -74,25 +87,31 @@ def launch_settings(launch: Any) -> dict[str, tuple[str, str]]:
         value = getattr(launch, field)
         if value is not None:
             settings[name] = (value, f"launch.{field}")
+    gloo = gloo_socket_ifname(launch.socket_ifname)
+    if gloo is not None:
+        settings["GLOO_SOCKET_IFNAME"] = (gloo, "launch.socket_ifname")
     return settings
 
 
 def nccl_exports(job: Any) -> dict[str, tuple[str, str]]:
-    """The NCCL variables the script exports before environment.variables: name -> (value, a
-    comment line saying which field asks for it and why). None on CPUs (gloo). A variable that
-    environment.variables sets too is left to it: equal, or a preset default it replaces (the Job
-    refuses a value that contradicts the rest)."""
-    if job.resources.gpus_per_node == 0:
-        return {}
+    """The NCCL variables the script exports before environment.variables, and gloo's interface:
+    name -> (value, a comment line saying which field asks for it and why). No NCCL variable on
+    CPUs (gloo). A variable that environment.variables sets too is left to it: equal, or a preset
+    default it replaces (the Job refuses a value that contradicts the rest)."""
     launch = job.launch
-    exports = {
-        name: (variable.value, f"launch.network {launch.network}: {variable.reason}")
-        for name, variable in NETWORK_PRESETS[launch.network].items()
-    }
-    for field, (name, reason) in LAUNCH_FIELDS.items():
-        value = getattr(launch, field)
-        if value is not None:
-            exports[name] = (value, f"launch.{field}: {reason}")
+    exports: dict[str, tuple[str, str]] = {}
+    if job.resources.gpus_per_node > 0:
+        exports.update({
+            name: (variable.value, f"launch.network {launch.network}: {variable.reason}")
+            for name, variable in NETWORK_PRESETS[launch.network].items()
+        })
+        for field, (name, reason) in LAUNCH_FIELDS.items():
+            value = getattr(launch, field)
+            if value is not None:
+                exports[name] = (value, f"launch.{field}: {reason}")
+    gloo = gloo_socket_ifname(launch.socket_ifname)
+    if gloo is not None:
+        exports["GLOO_SOCKET_IFNAME"] = (gloo, f"launch.socket_ifname: {GLOO_REASON}")
     return {name: item for name, item in exports.items() if name not in job.environment.variables}
 
 

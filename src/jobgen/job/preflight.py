@@ -47,8 +47,8 @@ CLOSEST_AMONG = 1000  # names in a folder compared for "did you mean"; a huge fo
 def check_job_files(job: Job) -> list[str]:
     """Warnings for what could not be checked from here; JobgenError, one line per path, for a
     path that is wrong."""
-    if job.launch.entrypoint == "jobgen-probe":
-        return []
+    if job.launch.entrypoint == "jobgen-probe" or job.training is None:
+        return []  # no model, no data of jobgen's to check
     base = working_directory(job)
     warnings: list[str] = []
     checks = (_check_data(job, base, warnings), _check_model(job, base, warnings), _check_chat_template(job, base, warnings),

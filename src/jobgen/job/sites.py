@@ -286,7 +286,7 @@ def check_limits(job: Job, site: SiteProfile, source: str, partition_word: str =
 
 def check_policy(job: Job, site: SiteProfile, source: str) -> None:
     """Refuses a job that does what the site's policy forbids, naming the field and the profile."""
-    if job.training.trust_remote_code and not site.policy.allow_trust_remote_code:
+    if job.training is not None and job.training.trust_remote_code and not site.policy.allow_trust_remote_code:
         raise JobgenError(
             f"{source}: training.trust_remote_code is true, but site {site.name} forbids running a model's own code "
             f"(policy.allow_trust_remote_code: false in {site.path}); use a model that transformers supports"

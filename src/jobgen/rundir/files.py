@@ -18,6 +18,7 @@ NODE_ENV = "node.env"
 SEGMENTS = "segments.jsonl"  # one start and one end line per segment, written by the batch script
 SUBMISSIONS = "submissions.jsonl"  # one line per `jobgen submit`
 SUBMISSION_TEXT = "submission.txt"  # the script as it was handed to the scheduler
+NEWEST_CHECKPOINT = "newest-checkpoint"  # the job's own program (launch.command): its newest complete checkpoint's path
 STOP_REQUESTED = "stop-requested"  # the batch script's request that every rank checkpoints and stops
 TRAINER_EXIT = "trainer-exit.json"  # rank 0's report of what the run did (jobgen.train.exit_report)
 LOGS = "logs"
@@ -34,7 +35,7 @@ EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure at
 # One line per segment in a row that ended without a newer complete checkpoint ("STEP OUTCOME NODES..."):
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
-NODE_EXITS = "node-exits"  # "STATUS NODE" lines of nodes whose setup ended with exit_node_failed or exit_do_not_requeue
+NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with exit_node_failed or exit_do_not_requeue: "STATUS NODE"
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder
@@ -69,8 +70,14 @@ def node_log(job_id: str, node: int | str) -> str:
     return f"{LOGS}/{job_id}-node{node}.out"
 
 
+RANKS_PER_FOLDER = 1000  # rank logs per folder: 4,096 nodes x 8 ranks make 33 folders, not one of 32,768 files
+
+
 def rank_log(job_id: str, rank: int | str) -> str:
-    return f"{LOGS}/{job_id}-rank{rank}.out"
+    """Rank R's log: logs/JOBID-ranks/0-999/JOBID-rankR.out, a folder per 1,000 ranks (by rank,
+    not node: a reader knows the rank, and torchrun's rendezvous may give a node other ranks)."""
+    first = int(rank) // RANKS_PER_FOLDER * RANKS_PER_FOLDER
+    return f"{LOGS}/{job_id}-ranks/{first}-{first + RANKS_PER_FOLDER - 1}/{job_id}-rank{rank}.out"
 
 
 def node_exit(job_id: str, node: int | str) -> str:
@@ -94,6 +101,7 @@ class _TemplateFiles:
     node_env = NODE_ENV
     segments = SEGMENTS
     stop_requested = STOP_REQUESTED
+    newest_checkpoint = NEWEST_CHECKPOINT
     trainer_exit = TRAINER_EXIT
     logs = LOGS
     continuation_script = CONTINUATION_SCRIPT

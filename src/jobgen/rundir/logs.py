@@ -1,6 +1,6 @@
 """Which log `jobgen logs` reads. The batch script and each node write their own into RUN_DIR/logs
 on every scheduler and launcher, named by the job id the script ran as: JOBID.out, JOBID-nodeK.out,
-JOBID-rankR.out. A run directory holds every job submitted into it (and a PBS job's continuations,
+JOBID-ranks/0-999/JOBID-rankR.out. A run directory holds every job submitted into it (and a PBS job's continuations,
 each under a new id), so a target names the job as well as the directory: a job id names that job,
 a run directory its newest."""
 
@@ -63,6 +63,8 @@ def newest_job_id(run: RunDir, named: Optional[str]) -> str:
 def _log_of(run: RunDir, job_id: str, node: Optional[int], rank: Optional[int]) -> Path:
     if rank is not None:
         path = run.path / runfiles.rank_log(job_id, rank)
+        flat = run.path / runfiles.LOGS / f"{job_id}-rank{rank}.out"  # as jobgen wrote it before the rank folders
+        path = flat if not path.exists() and flat.exists() else path
     else:
         path = run.path / (runfiles.node_log(job_id, node) if node is not None else runfiles.batch_log(job_id))
     if not path.exists():  # a log that is there is shown, whatever the job file says now

@@ -80,6 +80,8 @@ def at_its_pin(job: Job) -> Job:
     """`job` with training.model_revision at the commit its run is pinned to, where it is pinned:
     what the run's next start loads, and so what `jobgen validate` checks."""
     training = job.training
+    if training is None:  # a program of the job's own loads what it loads
+        return job
     revision = load_revision(os.path.abspath(job.effective_run_dir), training.model, training.model_revision)
     if revision == training.model_revision:
         return job

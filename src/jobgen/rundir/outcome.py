@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.rundir import files as runfiles
@@ -58,6 +59,8 @@ def summary(run: RunDir, segments: list[dict[str, Any]], job: Optional[dict[str,
     `segments` as jobgen.rundir.status pairs them, with their messages attached."""
     job = run.settings() if job is None else job
     launch = job.get("launch") if isinstance(job.get("launch"), dict) else {}
+    if launch.get("command"):
+        return own_command_summary(run, launch["command"])
     entrypoint = launch.get("entrypoint") or "jobgen-train"
     probe = entrypoint == PROBE
     last = None if probe else last_metrics(run.path, job)  # a probe trains nothing
@@ -70,6 +73,33 @@ def summary(run: RunDir, segments: list[dict[str, Any]], job: Optional[dict[str,
         "final_model": None if probe else final_model(run, job, segments),
         "best": None if probe else best_checkpoint(run, job, segments),
         "probe": probe_result(run, segments) if probe else None,
+    }
+
+
+OWN_COMMAND = "launch.command"
+
+
+def own_command_summary(run: RunDir, command: list[Any]) -> dict[str, Any]:
+    """summary() for the job's own program: it tells jobgen nothing while it runs, so the step and
+    loss are the newest complete checkpoint's (its trainer_state.json log_history, a Hugging Face
+    Trainer's), which the batch script names in RUN_DIR/newest-checkpoint at each segment's end."""
+    last: dict[str, Any] = {}
+    try:
+        checkpoint = (run.path / runfiles.NEWEST_CHECKPOINT).read_text(encoding="utf-8").strip()
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")) if checkpoint else {}
+        history = state.get("log_history") if isinstance(state, dict) else None
+        logged = [entry for entry in history or () if isinstance(entry, dict) and "loss" in entry]
+        last = {"step": state.get("global_step"), "total_steps": state.get("max_steps"),
+                "loss": logged[-1]["loss"] if logged else None}
+    except (OSError, ValueError, AttributeError):
+        pass
+    words = " ".join(str(word) for word in command)
+    return {
+        "entrypoint": OWN_COMMAND, "step": _number(last, "step"), "total_steps": _number(last, "total_steps"),
+        "last_loss": _number(last, "loss"), "last_eval": None, "final_model": None, "best": None, "probe": None,
+        "own_command": f"{words if len(words) <= 60 else words[:57] + '...'}: jobgen cannot see its steps while it "
+                       "runs; steps and loss are its newest complete checkpoint's (trainer_state.json); no goodput "
+                       "or time to the first step",
     }
 
 
@@ -142,6 +172,8 @@ def format_lines(report: dict[str, Any]) -> list[str]:
     """What `jobgen status` prints under the segments: failures, the last loss, the final model,
     or a probe's result."""
     lines = failure_lines(report["run_dir"], report["segments"]) if report.get("probe") is None else []
+    if report.get("own_command"):
+        lines.append(f"own program ({OWN_COMMAND}) {report['own_command']}")
     if report.get("step") is not None:
         total = f"/{int(report['total_steps'])}" if report.get("total_steps") is not None else ""
         loss = f"loss {report['last_loss']:.4f} at " if report.get("last_loss") is not None else ""

@@ -6,7 +6,8 @@
     RUN_DIR/submissions.jsonl   one line per submission: job id, time, scheduler
     RUN_DIR/segments.jsonl      written by the script: one start and one end line per segment
     RUN_DIR/logs/               written live by the job: JOBID.out (the batch script),
-                                JOBID-nodeK.out (node K: torchrun, rank 0), JOBID-rankR.out
+                                JOBID-nodeK.out (node K: torchrun, rank 0),
+                                JOBID-ranks/0-999/JOBID-rankR.out (a folder per 1,000 ranks)
     RUN_DIR/output/             the trainer's checkpoints, metrics and final weights
 
 The names are jobgen.rundir.files'. An index in $XDG_STATE_HOME/jobgen (~/.local/state/jobgen)

@@ -30,7 +30,7 @@ def collect(target: str) -> dict[str, Any]:
         "submissions": submissions,
         "scheduler_state": state,
         "segments": segments,
-        "goodput": None if outcome["probe"] else goodput(segments),
+        "goodput": None if outcome["probe"] or outcome.get("own_command") else goodput(segments),
         **outcome,
         "excluded_nodes": excluded_nodes(run.path),
     }

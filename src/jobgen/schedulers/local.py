@@ -24,8 +24,9 @@ from jobgen.schedulers.state import JobState
 
 
 def local_job_id(seconds: int, pid: int) -> str:
-    """The process id last: the script's automatic MASTER_PORT is the id's digits modulo 20000, so
-    two jobs started here in the same second get different ports (their pids')."""
+    """Seconds and process id: two jobs started here at once have different ids. The script's
+    automatic MASTER_PORT is a hash of the whole id into 20000-32767 (below the ephemeral ports),
+    so they get different ports but for a hash collision, about one pair in 12,768."""
     return f"local-{seconds}-{pid}"
 
 

@@ -64,6 +64,16 @@ class _ShippedBlock(jinja2.runtime.BlockReference):
         return _shipped(super().super)
 
 
+def resume_words(argument: str) -> Raw:
+    """launch.resume_argument as shell words, each quoted, with {checkpoint} as the batch script's
+    "$JOBGEN_RESUME_CHECKPOINT": `--resume_from_checkpoint "$JOBGEN_RESUME_CHECKPOINT"`."""
+    words = []
+    for word in shlex.split(argument):
+        parts = word.split("{checkpoint}")
+        words.append('"$JOBGEN_RESUME_CHECKPOINT"'.join(shlex.quote(part) if part else "" for part in parts))
+    return Raw(" ".join(words))
+
+
 def _shipped(reference: Any) -> Any:
     if isinstance(reference, jinja2.runtime.BlockReference):
         return _ShippedBlock(reference.name, reference._context, reference._stack, reference._depth)
@@ -103,6 +113,7 @@ def template_environment(folders: Sequence[TemplateFolder] = ()) -> jinja2.Envir
     )
     env.context_class = _Context
     env.filters["raw"] = Raw
+    env.filters["resume_words"] = resume_words
     env.filters["comment"] = as_comment
     return env
 

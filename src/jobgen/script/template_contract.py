@@ -35,7 +35,8 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "prologue": ("empty: site checks or banners, before anything else runs", frozenset()),
         "environment": ("the job's secrets and exported variables (NCCL's, environment.variables), at the top: "
                         "they run before the hosts are known", frozenset({"job", "nccl", "nccl_reasons"})),
-        "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS", frozenset()),
+        "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS, and "
+                  "jobgen_master_addr where the first host's name is not what the other nodes reach", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),
         "timers": ("filled by the scheduler's template: warnings before the time limit", frozenset()),
@@ -48,7 +49,9 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                         frozenset({"job"})),
         "container": ("runs node.sh again inside the job's Apptainer/Singularity container", frozenset({"job", "files"})),
         "setup": ("environment.setup, the user's shell lines (inside the container, if any)", frozenset({"job"})),
-        "torchrun": ("checks the commands are on PATH and starts torchrun (jobgen-torchrun)", frozenset({"job", "files"})),
+        "torchrun": ("checks the commands are on PATH and starts torchrun (jobgen-torchrun) with jobgen-train, jobgen-probe "
+                     "or the job's own program (`launch.command`, with `launch.resume_argument` when the batch script "
+                     "found a checkpoint)", frozenset({"job", "files"})),
     },
 }
 

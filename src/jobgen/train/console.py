@@ -4,8 +4,8 @@ node's log only what a user should read there.
 Every rank of every node prints the same library lines (DeepSpeed's accelerator, bitsandbytes'
 kernels, FutureWarnings): in the node logs they would say everything world-size times. So each
 rank's stdout and stderr (the file descriptors, so C libraries' output too) go to
-RUN_DIR/logs/JOBID-rankR.out; rank 0's also still reach its node's log, once; the other ranks
-show there only their own warnings and errors (the `jobgen-train` logger) and a crash's summary.
+RUN_DIR/logs/JOBID-ranks/0-999/JOBID-rankR.out (jobgen.rundir.files.rank_log); rank 0's also
+still reach its node's log, once; the other ranks show there only their own warnings and errors (the `jobgen-train` logger) and a crash's summary.
 """
 
 from __future__ import annotations
@@ -27,16 +27,26 @@ def rank_log_path(run_dir: str, job_id: str, rank: int) -> str:
     return os.path.join(run_dir, rank_log(job_id, rank))
 
 
+def open_rank_log(run_dir: str, job_id: str, rank: int) -> int:
+    """The rank's log, opened to append (its folder made by the first rank that needs it)."""
+    path = rank_log_path(run_dir, job_id, rank)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
 def route_output(run_dir: str, job_id: str, rank: int) -> TextIO:
     """Redirects fds 1 and 2 as the module says; returns a stream to the node's log."""
     path = rank_log_path(run_dir, job_id, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     node_log = os.dup(2)
     if rank == 0:
         # tee ignores the stop signals a scheduler sends the whole job: the stop is worth logging.
         global _tee, _tee_pipe
+        os.close(open_rank_log(run_dir, job_id, rank))  # its folder, for tee
         _tee = subprocess.Popen(
             ["tee", "-a", path], stdin=subprocess.PIPE, stdout=node_log, preexec_fn=_ignore_stop_signals
         )
@@ -44,7 +54,7 @@ def route_output(run_dir: str, job_id: str, rank: int) -> TextIO:
         _tee.stdin.close()  # type: ignore[union-attr]
         _tee_pipe = _identity(target)
     else:
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        target = open_rank_log(run_dir, job_id, rank)
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)

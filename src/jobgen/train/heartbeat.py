@@ -7,12 +7,20 @@ collective is involved. A thread touches a second file every second: a rank that
 (SIGSTOP, a frozen node) or stuck holding the interpreter stops touching it, while a rank that only
 waits in a collective for others keeps touching it. That tells who stopped first.
 
-Supervisor (one per node, in jobgen-torchrun): every second it reads its ranks' files, publishes a
-summary to RUN_DIR/heartbeat/node-K.json every few seconds, and reads every node's summary. When
-the job's steps have not changed for longer than the bound (`hang_bound`), it writes
-RUN_DIR/hang.json (the first supervisor to decide does; the others follow it), dumps every local
-rank's Python stack into its rank log (py-spy where installed, else faulthandler on SIGQUIT),
-and kills its ranks. jobgen-torchrun then exits with EXIT_HUNG; the batch script requeues.
+Supervisor (one per node, in jobgen-torchrun): every second it reads its ranks' files (node-local)
+and every PUBLISH_EVERY seconds publishes a summary to RUN_DIR/heartbeat/node-K.json on the shared
+file system. Only the supervisors of nodes 0 and 1 (AGGREGATORS) read every node's summary, every
+`read_every(nnodes)` seconds; the others look for RUN_DIR/hang.json every FOLLOW_EVERY seconds, so
+the shared folder sees a number of operations per second that grows with the nodes, not with their
+square (benchmarks/control_plane.py counts them). When the job's steps have not changed for longer
+than the bound (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
+decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
+where installed, else faulthandler on SIGQUIT) and kills its ranks. jobgen-torchrun then exits
+with EXIT_HUNG; the batch script requeues. `detection_delay` says how late that can be at N nodes.
+
+No clock is compared with another node's: a node is silent when its summary's sequence number
+has not changed for `node_silent(nnodes)` seconds of the reader's own monotonic clock. The
+wall-clock time in a summary is for people.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jobgen.rundir.files import HANG, HEARTBEATS, rank_log
 
@@ -39,8 +47,28 @@ HANG_SECONDS_ENV = "JOBGEN_HANG_SECONDS"
 STACK_SIGNAL = signal.SIGQUIT
 ALIVE_EVERY = 1.0
 ALIVE_STALE = 10.0  # a rank whose alive file is older than this is stopped or stuck
-PUBLISH_EVERY = 3.0
-NODE_SILENT = 30.0  # a node whose summary is older than this is frozen or gone, its supervisor with it
+PUBLISH_EVERY = 10.0  # a node's summary (not fsynced: a crash loses only a heartbeat)
+FOLLOW_EVERY = 5.0  # a node that reads no summaries looks for hang.json this often
+AGGREGATORS = 2  # nodes 0 and 1 read every summary: one frozen reader does not blind the job
+NODE_SILENT = 30.0  # at least: a node whose summary has not changed this long is frozen or gone, its supervisor with it
+
+
+def read_every(nnodes: int) -> float:
+    """Seconds between an aggregating supervisor's reads of every summary: 3, longer past 1,200
+    nodes, so that one reader opens at most 400 files a second."""
+    return max(3.0, nnodes / 400)
+
+
+def node_silent(nnodes: int) -> float:
+    """Seconds, by the reader's clock, without a new summary after which a node is silent: twice
+    the longest a healthy node's new summary can take to be seen."""
+    return max(NODE_SILENT, 2 * (PUBLISH_EVERY + read_every(nnodes)))
+
+
+def detection_delay(nnodes: int) -> float:
+    """The most seconds, beyond the bound, from a hang to every node knowing it: a summary
+    published late, read late, and hang.json found late."""
+    return PUBLISH_EVERY + read_every(nnodes) + FOLLOW_EVERY + 1.0
 
 # The bound: with nothing else known, a step that takes this long is a hang.
 FLOOR_SECONDS = 60.0
@@ -172,7 +200,11 @@ class Supervisor:
     override: Optional[float]
     local_dir: str = ""
     hung: Optional[dict] = None
+    clock: Optional[Callable[[], float]] = None  # the reader's own clock; time.monotonic unless a test says
     _stop: threading.Event = field(default_factory=threading.Event)
+    # node rank -> (the last sequence number seen in its summary, when it was first seen by `clock`)
+    _seen: dict = field(default_factory=dict)
+    _seq: int = 0
 
     @classmethod
     def from_env(cls) -> Optional["Supervisor"]:
@@ -222,28 +254,55 @@ class Supervisor:
             ranks.append(rank)
         return ranks
 
-    def publish(self, ranks: list[dict[str, Any]]) -> None:
-        from jobgen.train.exit_report import write_json_atomically
+    def now(self) -> float:
+        return (self.clock or time.monotonic)()
 
-        write_json_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"),
-                              {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank,
-                               "at": time.time(), "ranks": ranks})
+    def publish(self, ranks: list[dict[str, Any]]) -> None:
+        from jobgen.files import replace_atomically
+
+        self._seq += 1  # what readers time: "at" is for people, the nodes' clocks differ
+        summary = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
+                   "at": time.time(), "ranks": ranks}
+        try:
+            replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"), json.dumps(summary))
+        except OSError:
+            pass  # a full or flaky file system: the next publish tries again
+
+    def node_summary(self, k: int) -> Optional[dict[str, Any]]:
+        """Node K's summary of this segment, its ranks marked "silent node" when its sequence
+        number has not changed for `node_silent` seconds of this reader's clock; None if none."""
+        try:
+            with open(os.path.join(self.shared_dir, f"node-{k}.json"), encoding="utf-8") as handle:
+                node = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        if node.get("job_id") != self.job_id or str(node.get("restart")) != self.restart:
+            return None
+        now, seq = self.now(), node.get("seq", node.get("at"))
+        last = self._seen.get(k)
+        if last is None or last[0] != seq:
+            self._seen[k] = last = (seq, now)
+        if now - last[1] > node_silent(self.nnodes):  # its supervisor too is stopped, or the node is gone
+            node["ranks"] = [dict(rank, alive=False, state="silent node") for rank in node["ranks"]]
+        return node
 
     def all_ranks(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ranks = list(mine)
         for k in range(self.nnodes):
-            if k == self.node_rank:
-                continue
-            try:
-                with open(os.path.join(self.shared_dir, f"node-{k}.json"), encoding="utf-8") as handle:
-                    node = json.load(handle)
-            except (OSError, ValueError):
-                continue
-            if node.get("job_id") == self.job_id and str(node.get("restart")) == self.restart:
-                if time.time() - node.get("at", 0) > NODE_SILENT:  # its supervisor too is stopped, or the node is gone
-                    node["ranks"] = [dict(rank, alive=False, state="silent node") for rank in node["ranks"]]
+            node = self.node_summary(k) if k != self.node_rank else None
+            if node:
                 ranks += node["ranks"]
         return ranks
+
+    def aggregates(self) -> bool:
+        """Whether this node reads every summary: nodes 0 and 1 do; nodes 2 and 3 stand by, and
+        take over when both of those are silent."""
+        if self.node_rank < AGGREGATORS:
+            return True
+        if self.node_rank >= 2 * AGGREGATORS:
+            return False
+        readers = [self.node_summary(k) for k in range(min(AGGREGATORS, self.nnodes))]
+        return all(node is not None and node["ranks"] and node["ranks"][0]["state"] == "silent node" for node in readers)
 
     def decided(self) -> Optional[dict]:
         try:
@@ -267,22 +326,30 @@ class Supervisor:
         step_seconds: list[float] = []
         save_seconds: list[float] = []
         saving_since = None
-        published = 0.0
+        published = followed = read = -float("inf")
+        aggregating, others = self.node_rank < AGGREGATORS, []
         while not self._stop.wait(1.0):
             mine = self.local_ranks()
             if not mine:
                 continue
-            now = time.monotonic()
+            now = self.now()
             if now - published >= PUBLISH_EVERY:
                 self.publish(mine)
                 published = now
             if any(r["state"] == "gone" for r in mine):
                 return  # a rank ended: torchrun takes it from here
-            found = self.decided()
-            if found:
-                self._end(found, mine)
-                return
-            ranks = self.all_ranks(mine)
+            if now - followed >= (read_every(self.nnodes) if aggregating else FOLLOW_EVERY):
+                followed = now
+                found = self.decided()
+                if found:
+                    self._end(found, mine)
+                    return
+                aggregating = self.aggregates()
+            if not aggregating:
+                continue
+            if now - read >= read_every(self.nnodes):  # between reads, the others' ranks as last read
+                others, read = self.all_ranks([]), now
+            ranks = mine + others
             # A rank's progress before its first step (the data it has tokenized) counts as a change.
             key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress")) for r in ranks))
             if key != last_key:

@@ -1,7 +1,8 @@
 """jobgen-probe: check a job's wiring in seconds, before spending GPU hours on it.
 
 Run in place of jobgen-train (`launch.entrypoint: jobgen-probe`). Every rank writes what it was
-given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host, the CPUs it may run on, LOADEDMODULES) to
+given (RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, host, the CPUs it may run on, LOADEDMODULES,
+the socket interfaces) to
 RUN_DIR/probe/rank-R.json, then one all_reduce of rank+1 over every rank proves they reach each
 other: the sum must be W(W+1)/2. Rank 0 reports the outcome in trainer-exit.json, as the trainer does.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 REPORTED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT",
             "JOBGEN_JOB_ID", "JOBGEN_RESTART_COUNT", "SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_NODEID", "PBS_JOBID",
-            "CUDA_VISIBLE_DEVICES", "LOADEDMODULES")
+            "CUDA_VISIBLE_DEVICES", "LOADEDMODULES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def main(argv: list[str] | None = None) -> int:

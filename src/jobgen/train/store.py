@@ -24,13 +24,18 @@ The tokens do not depend on packing: packed and unpacked runs, and runs of other
 them, and each packing is a file of its own in the store (pack_rows is a function of the
 lengths, the capacity and the seed).
 
-Written once: the preparer holds an fcntl lock on KEY.lock, writes a temporary folder and renames
-it to KEY, so a preparation killed midway leaves only a temporary folder, removed by the next
-preparer. Two preparers at once (two jobs, two nodes on a shared folder) take turns on the lock
-and the second finds the store made; where the file system has no locks, the rename alone keeps
-the store whole (the second rename finds KEY there and its copy is dropped). Inside a job, local
-rank 0 of each node is a preparer and the other ranks poll the file system until KEY is
-complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out.
+Written once: the preparer builds in a temporary folder named by its host and pid and renames it
+to KEY, so a preparation killed midway leaves only a temporary folder, removed later by a preparer
+that can tell it is dead (one of its own host whose process ended, or anyone's untouched for a day).
+Inside a job, rank 0 alone is the preparer and the other ranks poll the file system until KEY is
+complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out
+(every 0.2 s at first, then a tenth of the time waited, at most every 15 s: see poll_interval).
+No lock is trusted to span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock at all):
+a preparer takes an fcntl lock on KEY.lock where it can, which keeps two jobs of one node (or of
+a file system whose locks do span nodes) from building twice; without it two preparers of two
+jobs may both build, and the first rename wins (the other's copy is dropped). A complete store is
+never removed or replaced. In a folder that is group-writable, lock files and stores are too, so
+the members of its group share them.
 
 Where: training.prepared_cache (a site profile may set it, so that jobs share stores), else
 RUN_DIR/prepared. `jobgen prepare JOB.yaml` fills it from the login node.
@@ -46,6 +51,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -66,10 +72,8 @@ TOKENIZER_FILES = (
 COMPLETE = "COMPLETE"
 EVAL = "eval"  # the held-out conversations of eval_fraction, in the same layout
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
-POLL_SECONDS = 0.2
-# A preparer's error older than a start by this much is an earlier start's: tried again (clocks of
-# nodes and file servers differ by seconds, not minutes).
-STALE_FAILURE_SECONDS = 60
+POLL_SECONDS = 0.2  # the first polls of a waiting rank; then longer, see poll_interval
+MAX_POLL_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -204,105 +208,298 @@ class _HashCache:
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE)) if os.path.isdir(path) else os.path.isfile(path)
+    """A folder with its COMPLETE marker, or a file that is there (renamed into place whole). One
+    stat either way: every waiting rank asks this of the shared file system."""
+    try:
+        os.stat(os.path.join(path, COMPLETE))
+        return True
+    except NotADirectoryError:
+        return True  # a file store
+    except FileNotFoundError:
+        return False
+
+
+def _complete_on_server(path: str) -> bool:
+    """is_complete, asked by opening the marker (or the file): a network file system revalidates on
+    open (close-to-open), where a stat or a listing may answer from a cache seconds old."""
+    try:
+        with open(os.path.join(path, COMPLETE) if os.path.isdir(path) else path, "rb"):
+            return True
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
+def preparer_rank(rank: int) -> bool:
+    """Whether global rank `rank` prepares a job's stores: rank 0 alone (local rank 0 of node 0),
+    since no lock is trusted to span nodes; every other rank waits for COMPLETE."""
+    return rank == 0
 
 
 def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
                  waiting: Optional[Callable[[float], None]] = None) -> str:
     """Make `target` (a folder or a file) with `build(temporary_path)` unless it is complete.
-    A preparer takes TARGET.lock and builds; the others poll until it is complete. Returns
-    "found", "waited" (another process made it meanwhile) or "prepared". Raises the preparer's
-    UserError on every process (from TARGET.failed)."""
-    failed = target + ".failed"
-    waited_since, started = time.monotonic(), time.time()
+    A preparer takes TARGET.lock where the file system gives one, and builds; the others poll until
+    it is complete. Returns "found", "waited" (another process made it meanwhile) or "prepared".
+    Raises the preparer's UserError on every process (from TARGET.failed).
+
+    Correct without locks that span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock):
+    each build has its own temporary path, nothing another process may still write is removed, a
+    complete target is never removed or replaced, and the first rename wins."""
+    failed = _Failure(target + ".failed")
+    waited_since = time.monotonic()
     said = 0.0
     while True:
         if is_complete(target):
             return "found" if time.monotonic() - waited_since < POLL_SECONDS else "waited"
-        if _failed_since(failed, started - STALE_FAILURE_SECONDS):
-            with open(failed, encoding="utf-8") as handle:
-                raise UserError(handle.read().strip())
+        message = failed.this_starts()
+        if message is not None:
+            raise UserError(message)
         if preparer:
             with _Lock(target + ".lock") as held:
                 if held:
-                    if is_complete(target):
+                    # The stat above may have answered from a cached "no such file" (NFS acdirmax, up
+                    # to 60 s): a store finished meanwhile is asked of the server before building.
+                    if _exists_on_server(target) and _complete_on_server(target):
                         return "waited"
-                    _build_under_lock(target, build, failed, held.exclusive)
-                    return "prepared"
+                    if _build_under_lock(target, build, failed.path):
+                        return "prepared"
+                    preparer = False  # another preparer's rename won: wait to see it, never build again
         waited = time.monotonic() - waited_since
         if waiting and waited - said >= 60:
             said = waited
             waiting(waited)
-        time.sleep(POLL_SECONDS)
+        time.sleep(poll_interval(waited))
 
 
-def _failed_since(path: str, since: float) -> bool:
-    """A preparer's error is this start's if written after it began (an older one is redone)."""
-    try:
-        return os.stat(path).st_mtime >= since
-    except FileNotFoundError:
+def poll_interval(waited: float) -> float:
+    """Seconds to the next look: a tenth of the time waited so far, from POLL_SECONDS up to
+    MAX_POLL_SECONDS, so that a node's waiting ranks stat the shared folder a few times a
+    second at first and less than once a second during a long preparation, and find the store
+    at most 10% (or 15 s) after it is made."""
+    return min(MAX_POLL_SECONDS, max(POLL_SECONDS, waited / 10))
+
+
+def _segment() -> str:
+    """This job segment, as the ranks of every node know it; empty outside a job (`jobgen prepare`)."""
+    job_id = os.environ.get("JOBGEN_JOB_ID", "")
+    return f"{job_id}/{os.environ.get('JOBGEN_RESTART_COUNT', '0')}" if job_id else ""
+
+
+class _Failure:
+    """A preparer's error (TARGET.failed) is this start's when it names this job segment, or when
+    it appears or changes while this process waits. Never by comparing its mtime with this node's
+    clock: the nodes' and the file server's clocks differ. An older one is redone."""
+
+    TAG = "jobgen segment "
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.at_start = self._identity()
+        self.stale: Optional[tuple[int, int, int]] = None
+
+    def _identity(self) -> Optional[tuple[int, int, int]]:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def this_starts(self) -> Optional[str]:
+        """The error's message when it is this start's, else None."""
+        now = self._identity()
+        if now is None or now == self.stale:
+            return None
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                first, _, rest = handle.read().partition("\n")
+        except FileNotFoundError:
+            return None
+        tagged = first.startswith(self.TAG)
+        message = (rest if tagged else f"{first}\n{rest}").strip()
+        mine = tagged and bool(_segment()) and first[len(self.TAG):].strip() == _segment()
+        if mine or now != self.at_start:
+            return message
+        self.stale = now  # read once: an earlier start's error, unchanged since
+        return None
+
+    @classmethod
+    def text(cls, message: str) -> str:
+        return f"{cls.TAG}{_segment()}\n{message}" if _segment() else message
+
+
+# A temporary path not written for this long is a killed preparation's, whoever made it. A build
+# writes its files continuously; clocks of nodes differ by seconds, not hours.
+STALE_TEMP_SECONDS = 24 * 3600
+
+
+def _temp_name(name: str, suffix: str = "") -> str:
+    """A build's temporary name: its host and pid, so that no two processes of a cluster share one."""
+    return f".tmp-{name}-{socket.gethostname()}-{os.getpid()}{suffix}"
+
+
+def _dead_temp(folder: str, entry: str, name: str) -> bool:
+    """Whether `entry` is a temporary path of `name` that no live process writes: one of this host
+    whose process has ended, or anyone's untouched for STALE_TEMP_SECONDS. Another node's recent
+    one may be a build in progress: a lock held through this node's mount says nothing about it."""
+    prefix = f".tmp-{name}-"
+    if not entry.startswith(prefix):
         return False
+    host, _, pid = entry[len(prefix):].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        return True
+    return time.time() - _newest_write(os.path.join(folder, entry)) > STALE_TEMP_SECONDS
 
 
-def _build_under_lock(target: str, build: Callable[[str], None], failed: str, exclusive: bool) -> None:
-    folder, name = os.path.split(target)
-    if exclusive:  # nobody else writes now: leftovers of killed preparations go
-        for entry in os.listdir(folder):
-            if entry.startswith(f".tmp-{name}-"):
-                _remove(os.path.join(folder, entry))
-        if os.path.exists(target):  # incomplete: made by hand, or by a jobgen without the marker
-            _remove(target)
-    _remove(failed)
-    temp = os.path.join(folder, f".tmp-{name}-{socket.gethostname()}-{os.getpid()}")
+def _alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _newest_write(path: str) -> float:
+    newest = 0.0
+    try:
+        newest = os.stat(path).st_mtime
+        for root, _, files in os.walk(path):
+            for file in files:
+                newest = max(newest, os.stat(os.path.join(root, file)).st_mtime)
+    except OSError:
+        return time.time()  # changing under us: alive
+    return newest
+
+
+def _build_under_lock(target: str, build: Callable[[str], None], failed: str) -> bool:
+    """Builds `target`; False when another preparer's rename came first (its copy is as good)."""
+    folder, name = os.path.split(target)
+    for entry in os.listdir(folder):
+        if _dead_temp(folder, entry, name):
+            _remove(os.path.join(folder, entry))
+    temp = os.path.join(folder, _temp_name(name))
+    try:
+        if os.path.lexists(target):  # incomplete (asked of the server): made by hand, or by a jobgen without the marker
+            # Moved aside, not removed: a rank that mapped it keeps its pages; the age bound removes it later.
+            os.rename(target, os.path.join(folder, _temp_name(name, "-aside")))
+        _remove(failed)
         build(temp)
+        _share_with_group(temp, folder)
+    except PermissionError as exc:
+        _remove(temp)
+        raise _cannot_write(folder, exc) from None
     except UserError as exc:
         _remove(temp)
-        _write_text(failed, str(exc))
+        _write_text(failed, _Failure.text(str(exc)))
         raise
     except BaseException:
         _remove(temp)
         raise
     try:
         os.rename(temp, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+    except OSError:
+        # A folder onto one that exists: EEXIST or ENOTEMPTY here, EPERM through sftp. Only a
+        # complete store is renamed into place, so one there now is another preparer's.
+        if not _exists_on_server(target):
+            _remove(temp)
             raise
-        _remove(temp)  # another preparer, without a lock, finished first: its store is as good
+        _remove(temp)
+        return False
     fsync_directory(folder)
+    return True
+
+
+def _exists_on_server(path: str) -> bool:
+    """Whether `path` exists, asked so that no cache answers: an exclusive create (mkdir) is decided
+    by the file server, where a stat or an open may trust a cached "no such file". A waiter's
+    isfile finds no store in the empty folder it makes for a moment."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return True
+    except PermissionError:  # a folder we may not write: the cached answer (the build says why it cannot)
+        return os.path.lexists(path)
+    try:
+        os.rmdir(path)
+    except OSError:  # another preparer's folder was renamed onto the empty one meanwhile
+        return True
+    return False
+
+
+def _share_with_group(path: str, folder: str) -> None:
+    """A store made in a group-writable folder (a prepared_cache shared by a group) is the group's
+    too: its folders group-writable, so that another member adds packed rows to it (the folder's
+    setgid bit gives them its group)."""
+    if not os.stat(folder).st_mode & stat.S_IWGRP:
+        return
+    for root, _, files in os.walk(path):
+        os.chmod(root, os.stat(root).st_mode | stat.S_IRWXG)
+        for file in files:
+            full = os.path.join(root, file)
+            os.chmod(full, os.stat(full).st_mode | stat.S_IRGRP)
+    if os.path.isfile(path):
+        os.chmod(path, os.stat(path).st_mode | stat.S_IRGRP | stat.S_IWGRP)
+
+
+def _cannot_write(folder: str, exc: OSError) -> UserError:
+    import grp
+    import pwd
+
+    info = os.stat(folder)
+    try:
+        owner, group = pwd.getpwuid(info.st_uid).pw_name, grp.getgrgid(info.st_gid).gr_name
+    except KeyError:
+        owner, group = str(info.st_uid), str(info.st_gid)
+    return UserError(f"training.prepared_cache: cannot write in {folder!r} ({exc.strerror}; owner {owner}, group {group}, "
+                     f"mode {stat.filemode(info.st_mode)}): its owner can share it with a group you are in "
+                     f"(chgrp -R GROUP, chmod -R g+w and g+s on its folders), or give a folder you can write")
 
 
 class _Lock:
-    """An fcntl lock on a file, taken without waiting; `held` is falsy when another process has it.
-    On a file system without locks the lock is taken as held but not `exclusive`."""
+    """An fcntl lock on a file, taken without waiting; `held` is falsy when another process of this
+    node has it. Where locks are missing (ENOSYS, EOPNOTSUPP, ENOLCK) or the lock file is another
+    user's and read-only to us, the lock is taken as held: preparation is correct without it
+    (prepare_once); it only saves a second build on one node or where locks span nodes."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.fd, self.exclusive = path, -1, True
+        self.path, self.fd = path, -1
 
     def __enter__(self) -> Optional["_Lock"]:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # lockf needs a read-write open; 0o664: another member of a shared folder's group may open it so
+            try:  # the folder is there but once: no mkdir on every try of a waiting preparer
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o664)
+        except PermissionError:
+            return self  # a lock file we may not write, or a folder we may not write (the build says so)
+        if os.stat(os.path.dirname(self.path)).st_mode & stat.S_IWGRP:
+            try:  # the umask took the group's write away
+                os.fchmod(self.fd, 0o664)
+            except PermissionError:  # not ours: its owner made it so
+                pass
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
                 return None
-            self.exclusive = False  # ENOLCK and the like: no locks here
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        os.close(self.fd)  # releases the lock
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
 
 
 def _remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
+    elif os.path.lexists(path):
         os.unlink(path)
 
 
 def _write_text(path: str, text: str) -> None:
-    temp = f"{path}.tmp-{os.getpid()}"
+    temp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"  # pid alone is not unique across nodes
     with open(temp, "w", encoding="utf-8") as handle:
         handle.write(text + "\n")
     os.replace(temp, path)

@@ -14,6 +14,10 @@ Inside a jobgen job it also runs the node's hang supervisor (jobgen.train.heartb
 job's steps stop advancing past the bound, it dumps the ranks' stacks, ends them and this exits
 with EXIT_HUNG (RUN_DIR/hang.json says which ranks and nodes stopped first).
 
+For the job's own program (launch.command; node.sh then sets JOBGEN_STOP_SIGNAL), which does not
+read the batch script's stop file, this sends that signal to the ranks when the file appears (at
+the time limit's warning, a cancel, a preemption on PBS): `StopFileForwarder`.
+
 How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
 requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
 2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+import threading
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
@@ -65,6 +71,63 @@ def honour_shutdown_timeout(seconds: int) -> None:
     PContext.close = close_after_grace
 
 
+STOP_SIGNAL_ENV = "JOBGEN_STOP_SIGNAL"
+
+
+class StopFileForwarder:
+    """Sends JOBGEN_STOP_SIGNAL to this process's children (torchrun's ranks) once, when
+    RUN_DIR/stop-requested appears: how a stop request reaches a program that reads no file."""
+
+    def __init__(self, stop_file: str, signum: int, every: float = 0.5) -> None:
+        self.stop_file, self.signum, self.every = stop_file, signum, every
+        self._stop = threading.Event()
+
+    @classmethod
+    def from_env(cls) -> "StopFileForwarder | None":
+        from jobgen.rundir.files import STOP_REQUESTED
+
+        name, run_dir = os.environ.get(STOP_SIGNAL_ENV, "").strip(), os.environ.get("JOBGEN_RUN_DIR")
+        if not name or not run_dir:
+            return None
+        try:
+            signum = signal.Signals["SIG" + name.removeprefix("SIG")]
+        except KeyError:
+            sys.exit(f"jobgen-torchrun: {STOP_SIGNAL_ENV}={name!r}: expected a signal name such as TERM or USR1")
+        return cls(os.path.join(run_dir, STOP_REQUESTED), signum)
+
+    def start(self) -> "StopFileForwarder":
+        threading.Thread(target=self._run, name="jobgen-stop-forwarder", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if os.path.exists(self.stop_file):
+                break
+        else:
+            return
+        for pid in child_pids():
+            try:
+                os.kill(pid, self.signum)
+            except ProcessLookupError:
+                pass  # ended meanwhile
+        sys.stderr.write(f"jobgen-torchrun: stop requested: sent {self.signum.name} to the ranks\n")
+
+
+def child_pids() -> list[int]:
+    """This process's children, from every thread's (Linux /proc)."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as children:
+                pids += [int(pid) for pid in children.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
 def failed_rank_line(failed) -> str:
     """One line for torchrun's ChildFailedError: the first rank that failed, and how."""
     rank, first = failed.get_first_failure()
@@ -97,6 +160,9 @@ def main() -> None:
     supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
     if supervisor is not None:
         supervisor.start()
+    forwarder = StopFileForwarder.from_env()
+    if forwarder is not None:
+        forwarder.start()
     try:
         torchrun_main()
     except SignalException as stop:
@@ -112,6 +178,8 @@ def main() -> None:
         exit_if_hung(supervisor)  # the ranks it ended: torchrun reports them failed
         raise
     finally:
+        if forwarder is not None:
+            forwarder.close()
         if supervisor is not None:
             supervisor.close()
 

@@ -50,7 +50,7 @@ from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokeni
 from jobgen.train.prepare import Prepared, model_hidden_size
 from jobgen.train.schedule import LRFactor, check_schedule_total, total_steps_of
 from jobgen.train.stop import StopRequest, signal_name
-from jobgen.train.store import StoredDataset, cut_summary, ensure_eval_store, ensure_store
+from jobgen.train.store import StoredDataset, cut_summary, ensure_eval_store, ensure_store, preparer_rank
 
 log = logging.getLogger("jobgen.train")
 
@@ -222,17 +222,17 @@ class Trainer:
         self._loop(engine, batches, first_step, total_steps)
 
     def _batches(self, tokenizer: Any) -> MicroBatches:
-        """The prepared store, made by local rank 0 of each node (or found: a restart, `jobgen
-        prepare`, another job), mapped by every rank; other ranks poll, not wait in a collective."""
+        """The prepared store, made by rank 0 (or found: a restart, `jobgen prepare`, another job),
+        mapped by every rank; other ranks poll, not wait in a collective."""
         t, dist = self.t, self.dist
-        preparer = self.info.local_rank == 0
+        preparer = preparer_rank(self.info.rank)
         started = time.perf_counter()
 
         def progress_line(text: str) -> None:
             log.info("data: %s", text)
 
         def still_waiting(seconds: float) -> None:
-            log.info("data: waiting %.0f s for local rank 0 to prepare the store", seconds)
+            log.info("data: waiting %.0f s for rank 0 to prepare the store", seconds)
 
         from jobgen.train.encode import Progress
 

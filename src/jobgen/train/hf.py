@@ -1,0 +1,77 @@
+"""`JobgenCallback`: a Hugging Face Trainer that saves and stops when jobgen stops its job.
+
+    from jobgen.train.hf import JobgenCallback
+    trainer = Trainer(..., callbacks=[JobgenCallback()])
+
+The Trainer does not save on a signal by itself: a preempted one loses every step since its last
+periodic checkpoint. This callback installs jobgen's stop handlers (`jobgen.train.stop`: SIGTERM,
+SIGUSR1, SIGUSR2, SIGINT only set a flag) and also reads RUN_DIR/stop-requested; at each step end
+all ranks agree on the request with one all-reduce (a signal reaches the ranks at different
+moments), then every rank sets `should_save` and `should_training_stop`: the Trainer writes
+checkpoint-N of that step and `train()` returns, and the script exits 0, which jobgen reads, after
+its stop request, as "stopped with a checkpoint" and requeues.
+
+transformers and torch are imported when the callback is made, not with this module, and
+DeepSpeed never: a script may import this before it decides what to use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jobgen.rundir.files import STOP_REQUESTED
+from jobgen.train.stop import StopRequest
+
+
+class StopAtStepEnd:
+    """JobgenCallback's behaviour; JobgenCallback is this and transformers' TrainerCallback."""
+
+    def __init__(self, run_dir: str | None = None) -> None:
+        run_dir = run_dir or os.environ.get("JOBGEN_RUN_DIR")
+        self.stop = StopRequest(os.path.join(run_dir, STOP_REQUESTED) if run_dir else None).install()
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.stopped_at is None and self._agreed(args):
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                print(f"jobgen: stop requested ({self.stop.signal_name or 'on another rank'}): saving checkpoint-"
+                      f"{state.global_step} and stopping", flush=True)
+        return control
+
+    def _agreed(self, args: Any) -> bool:
+        """Whether any rank has a stop request: every rank stops at the same step, or one would
+        wait in the save's collectives for the others."""
+        import torch.distributed as dist
+
+        asked = 1 if self.stop.requested else 0
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return bool(asked)
+        import torch
+
+        device = args.device if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([asked], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+_made: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    # PEP 562: JobgenCallback is made at its first import, when transformers is imported, not before.
+    if name != "JobgenCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _made:
+        from transformers import TrainerCallback
+
+        _made[name] = type(name, (StopAtStepEnd, TrainerCallback), {
+            "__module__": __name__,
+            "__doc__": "A TrainerCallback: on jobgen's stop request (a signal, or RUN_DIR/stop-requested), saves a "
+                       "checkpoint at the next step end on every rank and ends training. run_dir defaults to "
+                       "$JOBGEN_RUN_DIR (set on every node of a jobgen job); outside one, only the signals count.",
+        })
+    return _made[name]

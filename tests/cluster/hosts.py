@@ -1,0 +1,213 @@
+"""Pytest plugin: the `separate_hosts` fixture, nodes that are separate hosts on this machine.
+
+Every other test runs every "node" on one kernel, at 127.0.0.1, with one /etc/hosts. Here each
+host is a network namespace with its own address on a private network (10.231.0.0/24) whose
+bridge exists only inside a namespace of this fixture (no address of it is on this machine's own
+network), and its processes run in their own UTS and mount namespaces: their own hostname and an
+/etc/hosts as Debian writes it (``127.0.1.1 <own name>``), which lists the other hosts too. So a
+node that advertises "my hostname's address" tells the others 127.0.1.1, as on a real cluster.
+Each host has a second interface, listed before the real one, that routes nowhere (a veth pair
+with both ends in the host): "the first interface" is the wrong one.
+
+An OpenSSH server runs on every host (its own session, inside the host's namespaces), with a host
+key and a client key this fixture makes: `SeparateHosts.ssh_options` reaches any host by name.
+
+Namespaces are named with this process's id, so two pytest processes can run at once; those a
+killed earlier run left (their process is gone) are deleted first. Needs root; without it the
+tests are skipped, except under ``CI=true`` (tests.helpers.cannot_run).
+
+Register with ``pytest_plugins = ["tests.cluster.hosts"]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cannot_run
+
+NETWORK = "10.231.0"  # /24, inside the fixture's namespaces only
+DECOY_NETWORK = "10.232.0"  # the interface that routes nowhere
+PREFIX = "jgh"  # every namespace: jgh<pid>-...
+REAL_INTERFACE = "eth1"
+DECOY_INTERFACE = "eth0"
+# Run "on" a host: its hostname, and its /etc/hosts over the machine's, seen by its processes only.
+ON_HOST = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # its hostname
+    netns: str
+    address: str  # on REAL_INTERFACE
+    hosts_file: Path
+
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` as run on this host (its network, hostname and /etc/hosts)."""
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+                "sh", "-c", ON_HOST, self.name, str(self.hosts_file), *argv]
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(argv), **kwargs)
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(argv), **kwargs)
+
+
+@dataclass(frozen=True)
+class SeparateHosts:
+    hosts: tuple[Host, ...]
+    ssh_options: list[str]  # launch.ssh_options that reach every host by its name
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def _delete_namespace(name: str) -> None:
+    """The namespace and what still runs in it (an sshd of a killed run, a node it started)."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+
+
+def _delete_leftovers() -> None:
+    """Namespaces of earlier runs whose process is gone (killed before its teardown), and this
+    process's own (a pid used again)."""
+    for name in _namespaces():
+        owner = re.fullmatch(rf"{PREFIX}(\d+)-.*", name)
+        if owner and (int(owner[1]) == os.getpid() or not Path(f"/proc/{owner[1]}").exists()):
+            _delete_namespace(name)
+
+
+def debian_hosts_file(own: str, others: dict[str, str]) -> str:
+    """/etc/hosts as Debian's installer writes it (its own name at 127.0.1.1), with the others."""
+    lines = ["127.0.0.1\tlocalhost", f"127.0.1.1\t{own}"]
+    lines += [f"{address}\t{name}" for name, address in others.items()]
+    lines += ["", "::1\tlocalhost ip6-localhost ip6-loopback", "ff02::1\tip6-allnodes", "ff02::2\tip6-allrouters"]
+    return "\n".join(lines) + "\n"
+
+
+def make_hosts(folder: Path, count: int, prefix: str) -> tuple[Host, ...]:
+    """`count` hosts, host1..hostN, on one bridge in namespace PREFIX-net."""
+    names = [f"host{k + 1}" for k in range(count)]
+    addresses = {name: f"{NETWORK}.{10 + k}" for k, name in enumerate(names)}
+    bridge = f"{prefix}net"
+    _ip("netns", "add", bridge)
+    _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+    _ip("-n", bridge, "link", "set", "br0", "up")
+    hosts = []
+    for k, name in enumerate(names):
+        netns = f"{prefix}{name}"
+        _ip("netns", "add", netns)
+        _ip("-n", netns, "link", "set", "lo", "up")
+        # Made first, so it is the first interface after lo: up, addressed, and leads nowhere.
+        _ip("-n", netns, "link", "add", DECOY_INTERFACE, "type", "veth", "peer", "name", f"{DECOY_INTERFACE}p")
+        _ip("-n", netns, "addr", "add", f"{DECOY_NETWORK}.{10 + k}/24", "dev", DECOY_INTERFACE)
+        for interface in (DECOY_INTERFACE, f"{DECOY_INTERFACE}p"):
+            _ip("-n", netns, "link", "set", interface, "up")
+        _ip("link", "add", REAL_INTERFACE, "netns", netns, "type", "veth", "peer", "name", f"p{k}", "netns", bridge)
+        _ip("-n", bridge, "link", "set", f"p{k}", "master", "br0", "up")
+        _ip("-n", netns, "addr", "add", f"{addresses[name]}/24", "dev", REAL_INTERFACE)
+        _ip("-n", netns, "link", "set", REAL_INTERFACE, "up")
+        hosts_file = folder / f"{name}.hosts"
+        hosts_file.write_text(debian_hosts_file(name, {other: addresses[other] for other in names if other != name}))
+        hosts.append(Host(name, netns, addresses[name], hosts_file))
+    return tuple(hosts)
+
+
+def start_sshd(host: Host, folder: Path) -> subprocess.Popen:
+    """sshd on every address of `host` (it reaches itself by its own name, i.e. 127.0.1.1); in a
+    session of its own, since a daemonized one started through `ip netns exec` does not stay."""
+    config = folder / f"sshd-{host.name}.conf"
+    config.write_text(
+        f"Port 22\nListenAddress 0.0.0.0\nHostKey {folder}/host_key\nAuthorizedKeysFile {folder}/authorized_keys\n"
+        f"PidFile {folder}/sshd-{host.name}.pid\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nSubsystem sftp internal-sftp\n"
+    )
+    log = open(folder / f"sshd-{host.name}.log", "w")
+    server = shutil.which("sshd") or "/usr/sbin/sshd"
+    return host.popen([server, "-D", "-e", "-f", str(config)], stderr=log, start_new_session=True)
+
+
+def _ssh_setup(folder: Path, hosts: tuple[Host, ...]) -> list[str]:
+    for key in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / key)], check=True)
+    (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
+    host_key = (folder / "host_key.pub").read_text()
+    (folder / "known_hosts").write_text("".join(f"{host.name},{host.address} {host_key}" for host in hosts))
+    (folder / "ssh_config").write_text(
+        f"Host *\n  IdentityFile {folder}/client_key\n  UserKnownHostsFile {folder}/known_hosts\n"
+        "  StrictHostKeyChecking yes\n  CheckHostIP no\n"
+    )
+    return ["-F", str(folder / "ssh_config")]
+
+
+def _wait_for_ssh(hosts: tuple[Host, ...], options: list[str], servers: list[subprocess.Popen], folder: Path) -> None:
+    """Until every host reaches every host (itself included) by name."""
+    deadline = time.time() + 20
+    for source in hosts:
+        for target in hosts:
+            while source.run(["ssh", *options, "-o", "BatchMode=yes", target.name, "true"],
+                             capture_output=True, timeout=30).returncode != 0:
+                if time.time() > deadline or any(server.poll() is not None for server in servers):
+                    logs = "".join((folder / f"sshd-{host.name}.log").read_text() for host in hosts)
+                    pytest.fail(f"ssh from {source.name} to {target.name} does not work: {logs}", pytrace=False)
+                time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def separate_hosts(tmp_path_factory):
+    """Two separate hosts, host1 and host2, each with sshd; deleted at the end of the session."""
+    if os.geteuid() != 0:
+        cannot_run("separate hosts need root (network namespaces: ip netns, unshare)")
+    if shutil.which("ip") is None or shutil.which("sshd", path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
+        cannot_run("separate hosts need iproute2 and OpenSSH: apt-get install -y iproute2 openssh-server openssh-client (scripts/test does it)")
+    folder = tmp_path_factory.mktemp("hosts")
+    prefix = f"{PREFIX}{os.getpid()}-"
+    _delete_leftovers()
+    servers: list[subprocess.Popen] = []
+    try:
+        hosts = make_hosts(folder, 2, prefix)
+        options = _ssh_setup(folder, hosts)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+        servers = [start_sshd(host, folder) for host in hosts]
+        _wait_for_ssh(hosts, options, servers, folder)
+        yield SeparateHosts(hosts, options)
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        _delete_leftovers_of(prefix)
+
+
+def _delete_leftovers_of(prefix: str) -> None:
+    for name in _namespaces():
+        if name.startswith(prefix):
+            _delete_namespace(name)

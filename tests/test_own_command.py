@@ -1,0 +1,182 @@
+"""A job that runs its own program (launch.command) instead of jobgen-train: validated and
+rendered without a training section, started by torchrun on every rank, given the newest
+complete checkpoint at each start, stopped by its signal; and the Hugging Face Trainer callback
+that saves at the stop. Real runs on the local scheduler (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import jobgen, node_script_of, shell_findings
+
+VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
+def write_job(folder: Path, launch: dict, **sections) -> Path:
+    job = {"name": "own", "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
+           "launch": {"procs_per_node": 2, **launch}, **sections}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    return folder / "job.yaml"
+
+
+FINETUNE = ["python", "finetune.py", "--deepspeed", "ds.json", "--note", "two words"]
+
+
+def test_a_job_with_its_own_command_validates_and_renders_without_training(tmp_path: Path) -> None:
+    config = write_job(tmp_path, {"command": FINETUNE, "resume_argument": "--resume_from_checkpoint {checkpoint}"})
+    checked = jobgen("validate", "-s", "slurm", str(config), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert "training" not in checked.stderr
+    assert "runs its own program (python ...; launch.command)" in checked.stdout
+    rendered = jobgen("render", "-s", "slurm", str(config), "-o", str(tmp_path / "job.sbatch"), cwd=tmp_path)
+    assert rendered.returncode == 0 and "error" not in rendered.stderr, rendered.stderr
+    script = (tmp_path / "job.sbatch").read_text()
+    node = node_script_of(script)
+    assert "jobgen_command=(python finetune.py --deepspeed ds.json --note 'two words')" in node
+    assert 'jobgen_command+=(--resume_from_checkpoint "$JOBGEN_RESUME_CHECKPOINT")' in node
+    assert 'JOBGEN_STOP_SIGNAL=TERM' in node and '"${jobgen_command[@]}"' in node
+    (tmp_path / "node.sh").write_text(node)
+    assert shell_findings(tmp_path / "job.sbatch", tmp_path / "node.sh") == ""
+
+
+@pytest.mark.parametrize("launch, sections, message", [
+    ({"command": []}, {}, "'launch.command' is []: needs the program and its arguments, e.g. [python, finetune.py]"),
+    ({"command": "python train.py --lr 1e-4"}, {}, "give the program and its arguments as a list of words, e.g. command: [python, train.py, --lr, \"1e-4\"]"),
+    ({"command": ["python", "t.py"]}, {"training": {"model": "m", "data": "d"}}, "training is for jobgen-train; a job with launch.command runs its own program"),
+    ({"command": ["python", "t.py"], "entrypoint": "jobgen-train"}, {}, "launch.command and launch.entrypoint (jobgen-train) are both set"),
+    ({"command": ["python", "t.py"], "resume_argument": "--resume"}, {}, "write {checkpoint} for its path"),
+    ({"resume_argument": "--resume {checkpoint}"}, {"training": {"model": "m", "data": "d"}}, "launch.resume_argument is for a program of the job's own: set launch.command too"),
+    ({}, {}, "training is missing: give training.model and training.data for jobgen-train, or launch.command"),
+])
+def test_a_wrong_own_command_is_one_line_naming_the_field(tmp_path: Path, launch: dict, sections: dict, message: str) -> None:
+    config = write_job(tmp_path, launch, **sections)
+    result = jobgen("render", "-s", "slurm", str(config), "-o", "/dev/null", cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# A program of the user's own, started by torchrun on every rank: it trains "steps", writes a
+# checkpoint folder at each (complete once its trainer_state.json is there, as the Trainer's), and
+# on its stop signal saves one at the step it is at and exits 0.
+PLAIN_SCRIPT = r'''
+import json, os, signal, sys, time
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append("SIGUSR1"))
+rank, resume = int(os.environ["RANK"]), None
+if "--resume" in sys.argv:
+    resume = sys.argv[sys.argv.index("--resume") + 1]
+start = json.load(open(os.path.join(resume, "trainer_state.json")))["global_step"] if resume else 0
+print(f"rank {rank} of {os.environ['WORLD_SIZE']}: resume={resume} start={start}", flush=True)
+for step in range(start + 1, 31):
+    time.sleep(0.2)
+    if rank == 0:
+        folder = f"out/checkpoint-{step}"
+        os.makedirs(folder, exist_ok=True)
+        json.dump({"global_step": step, "max_steps": 30, "log_history": [{"loss": 1.0 / step, "step": step}]},
+                  open(f"{folder}/trainer_state.json", "w"))
+        with open("steps.log", "a") as log:
+            log.write(f"{step}\n")
+    if stop:
+        print(f"rank {rank}: {stop[0]}: saved step {step}, exiting", flush=True)
+        sys.exit(0)
+'''
+
+
+def test_own_program_gets_the_newest_complete_checkpoint_and_its_stop_signal(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(PLAIN_SCRIPT)
+    # A checkpoint being written when the last run was killed: newer, but without trainer_state.json.
+    (tmp_path / "out" / "checkpoint-40").mkdir(parents=True)
+    config = write_job(tmp_path, {"command": ["python", "train.py"], "stop_signal": "USR1",
+                                  "resume_argument": "--resume {checkpoint}", "checkpoints": "out/checkpoint-*"})
+    env = {**os.environ, "PATH": VENV_PATH}
+    submit = [sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"]
+    first = subprocess.Popen(submit, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists():
+        assert time.time() < deadline and first.poll() is None, first.stdout.read() if first.poll() is not None else "no step 3"
+        time.sleep(0.2)
+    # The batch shell alone, as a scheduler's time-limit warning reaches it: it writes the stop
+    # file, and jobgen-torchrun sends the ranks SIGUSR1.
+    os.kill(first.pid, signal.SIGINT)
+    output, _ = first.communicate(timeout=120)
+    run_dir = tmp_path / "runs" / "own"
+    logs = "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*node0.out")))
+    assert "rank 0: SIGUSR1: saved step" in logs and "rank 1: SIGUSR1: saved step" in logs, logs
+    assert "sent SIGUSR1 to the ranks" in logs
+    first_segment = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
+    assert first_segment["outcome"] not in ("failed", "completed"), (first_segment, output)
+    stopped_at = int(first_segment["last_step"])
+    assert stopped_at >= 3
+
+    second = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert second.returncode == 0, second.stdout + second.stderr
+    logs = "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*node0.out")))
+    assert f"rank 0 of 2: resume={tmp_path}/out/checkpoint-{stopped_at} start={stopped_at}" in logs
+    assert "checkpoint-40" not in logs  # the incomplete one is never passed
+    steps = [int(line) for line in (tmp_path / "steps.log").read_text().split()]
+    assert steps == list(range(1, 31)), steps  # every step once, in order
+    status = jobgen("status", str(run_dir), cwd=tmp_path)
+    assert "own program (launch.command) python train.py: jobgen cannot see its steps while it runs" in status.stdout
+    assert "last loss 0.0333 at step 30/30" in status.stdout, status.stdout
+
+
+def test_a_command_not_on_the_node_is_one_line_in_its_log(tmp_path: Path) -> None:
+    config = write_job(tmp_path, {"command": ["finetune-not-installed", "--x"]})
+    result = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=120)
+    assert result.returncode != 0
+    log = "".join(path.read_text() for path in (tmp_path / "runs" / "own" / "logs").glob("*node0.out"))
+    assert "launch.command: 'finetune-not-installed' is not on PATH: give its full path" in log, log
+    assert "jobgen: launch.command failed:" in jobgen("logs", str(tmp_path / "runs" / "own")).stdout
+
+
+def test_the_trainer_callback_saves_and_stops_at_the_step_a_signal_arrives_in(tmp_path: Path) -> None:
+    """One process, the real Trainer on the tiny model: SIGUSR1 during step 3 (as jobgen-torchrun
+    sends it) gives checkpoint-3, complete, and training ends there instead of at step 12."""
+    tiny = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    script = tmp_path / "train.py"
+    script.write_text(f'''
+import os, signal, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+import jobgen.train.hf
+assert "transformers" in sys.modules and "deepspeed" not in sys.modules
+from jobgen.train.hf import JobgenCallback
+tokenizer = AutoTokenizer.from_pretrained("{tiny}/model")
+ids = tokenizer(["the cat is blue"] * 64, padding="max_length", max_length=16)["input_ids"]
+dataset = [{{"input_ids": row, "labels": row}} for row in ids]
+class SignalAtStep3(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 2:  # the third step begins
+            os.kill(os.getpid(), signal.SIGUSR1)
+args = TrainingArguments(output_dir="{tmp_path}/out", max_steps=12, save_steps=100, report_to=[], use_cpu=True,
+                         per_device_train_batch_size=2)
+trainer = Trainer(model=AutoModelForCausalLM.from_pretrained("{tiny}/model"), args=args, train_dataset=dataset,
+                  callbacks=[JobgenCallback(), SignalAtStep3()])
+trainer.train()
+print("ended at step", trainer.state.global_step)
+''')
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JOBGEN_RUN_DIR": ""})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "jobgen: stop requested (SIGUSR1): saving checkpoint-3 and stopping" in ran.stdout
+    assert "ended at step 3" in ran.stdout
+    assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists()
+
+
+def test_importing_the_callback_module_imports_neither_transformers_nor_deepspeed() -> None:
+    code = "import sys, jobgen.train.hf; print('transformers' in sys.modules, 'deepspeed' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == ["False", "False"]
