@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.train.conftest import free_port
+
 RANK = str(Path(__file__).with_name("slow_checkpoint_rank.py"))
 
 
@@ -99,3 +101,53 @@ def test_a_failed_rank_is_one_line_not_torchruns_traceback(tmp_path: Path, tools
     assert "jobgen-train: error: training.data: a bad record" in output
     assert "jobgen-torchrun: rank 0 (local rank 0, pid " in output and ") exited with status 2; its own error is above" in output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
+
+
+SLOW_AGENT = """
+import sys, time
+import torch.distributed.elastic.utils.store as store_util
+
+# What a loaded node or a slow network does: this node's torchrun arrives at the exit barrier
+# first but asks for its result 3 s later, after node 0 has arrived last.
+arrive = store_util._barrier_nonblocking
+
+def arrive_then_stall(**kwargs):
+    key = arrive(**kwargs)
+    time.sleep(3)
+    return key
+
+store_util._barrier_nonblocking = arrive_then_stall
+from jobgen.train.torchrun import main
+sys.argv[0] = "jobgen-torchrun"
+main()
+"""
+
+
+def test_a_node_slow_at_the_exit_barrier_finds_the_store_still_there_delay_injected(tmp_path: Path, tools) -> None:
+    # Three nodes' torchruns on one host, static rendezvous as node.sh starts them. Node 0 (the
+    # store's) finishes 2 s after the others, so it arrives at the barrier last; torch's own
+    # barrier then lets it leave before node 1 asks, and node 1 logs "Error waiting on exit
+    # barrier" with a traceback, in a run that succeeded (pytorch/pytorch#69520). Node 2 arrives
+    # on time: it must not be left polling a store that is gone.
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, time\ntime.sleep(2 if os.environ['GROUP_RANK'] == '0' else 0)\n")
+    agent = tmp_path / "slow_agent.py"
+    agent.write_text(SLOW_AGENT)
+    common = ["--nnodes=3", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+              "--monitor-interval=0.1", str(rank)]
+    env = tools.subprocess_env()
+    nodes = [subprocess.Popen([sys.executable, "-m", "jobgen.train.torchrun", "--node-rank=0", *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen([sys.executable, str(agent), "--node-rank=1", *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen([sys.executable, "-m", "jobgen.train.torchrun", "--node-rank=2", *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+        assert "Error waiting on exit barrier" not in output and "Traceback" not in output, output
+        assert "Failed to recv" not in output, output

@@ -18,6 +18,12 @@ For the job's own program (launch.command; node.sh then sets JOBGEN_STOP_SIGNAL)
 read the batch script's stop file, this sends that signal to the ranks when the file appears (at
 the time limit's warning, a cancel, a preemption on PBS): `StopFileForwarder`.
 
+At the end of a run every node's torchrun meets the others at torch's exit barrier, on the store
+that node 0's torchrun serves. When node 0 arrives last it leaves at once and takes the store with
+it, while a node that arrived earlier may not yet have asked for the barrier's result: that node
+logs a traceback ("Error waiting on exit barrier", pytorch/pytorch#69520) into a job that did
+finish. `outlive_the_exit_barrier` makes every node say it has left before the store's node goes.
+
 How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
 requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
 2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
@@ -30,6 +36,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
@@ -69,6 +76,46 @@ def honour_shutdown_timeout(seconds: int) -> None:
         return close(self, death_sig, timeout)
 
     PContext.close = close_after_grace
+
+
+DEPARTED_KEY = "jobgen/exit-barrier-departed"
+
+
+def outlive_the_exit_barrier(seconds: float = 30.0) -> None:
+    """After torch's exit barrier, each node's torchrun counts itself out on the store and waits
+    (up to `seconds`) until every node has: the node that serves the store then leaves last.
+
+    Only the barrier's end changes; its own logging of a node that never came (a real failure)
+    stays torch's. SimpleElasticAgent._exit_barrier(self) is the same from torch 2.2 on.
+    """
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    barrier = SimpleElasticAgent._exit_barrier
+
+    def barrier_then_count_out(self):
+        barrier(self)
+        wait_for_every_departure(self._store, self._worker_group.group_world_size, seconds)
+
+    SimpleElasticAgent._exit_barrier = barrier_then_count_out
+
+
+def wait_for_every_departure(store, nodes: int, seconds: float, linger: float = 2.0) -> None:
+    """Count this node out and wait until `nodes` have counted out, polling with back-off (at
+    hundreds of nodes the store serves them all); then stay `linger` s, longer than a poll's pause,
+    so that a node still polling gets its answer from the store's node, whichever node that is."""
+    if nodes < 2:
+        return
+    deadline, pause = time.monotonic() + seconds, 0.05
+    try:
+        departed = store.add(DEPARTED_KEY, 1)
+        while departed < nodes and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+            departed = store.add(DEPARTED_KEY, 0)
+    except Exception:  # noqa: BLE001 - the store's node left first: every node had passed the barrier
+        return
+    if departed >= nodes:
+        time.sleep(linger)
 
 
 STOP_SIGNAL_ENV = "JOBGEN_STOP_SIGNAL"
@@ -157,6 +204,7 @@ def main() -> None:
     grace = shutdown_timeout_from_env()
     if grace is not None and not torch_reads_shutdown_timeout():
         honour_shutdown_timeout(grace)
+    outlive_the_exit_barrier()
     supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
     if supervisor is not None:
         supervisor.start()
