@@ -180,3 +180,20 @@ def test_importing_the_callback_module_imports_neither_transformers_nor_deepspee
     code = "import sys, jobgen.train.hf; print('transformers' in sys.modules, 'deepspeed' in sys.modules)"
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert ran.stdout.split() == ["False", "False"]
+
+
+def test_after_training_the_callback_has_a_gloo_process_group_destroyed_before_the_interpreter_ends(tmp_path: Path) -> None:
+    # A Trainer never destroys its process group; gloo's threads can then abort the interpreter's
+    # finalization (SIGABRT) on a rank of a complete run, seen on the test clusters. What an
+    # earlier atexit handler (run after the callback's) sees is what finalization would meet.
+    code = f'''
+import atexit, torch.distributed as dist
+atexit.register(lambda: print("at exit, process group:", dist.is_initialized()))
+dist.init_process_group("gloo", init_method="file://{tmp_path}/group", rank=0, world_size=1)
+from jobgen.train.hf import JobgenCallback
+JobgenCallback(run_dir=str("{tmp_path}")).on_train_end(None, None, None)
+print("training ended")
+'''
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[:2] == ["training ended", "at exit, process group: False"], ran.stdout

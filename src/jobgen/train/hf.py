@@ -11,12 +11,18 @@ moments), then every rank sets `should_save` and `should_training_stop`: the Tra
 checkpoint-N of that step and `train()` returns, and the script exits 0, which jobgen reads, after
 its stop request, as "stopped with a checkpoint" and requeues.
 
+At the end of training it also has the process group destroyed when the script exits, while
+Python is still whole: a Trainer never destroys it, and gloo's worker threads can then abort
+(SIGABRT) the interpreter's finalization on some rank of a complete run (pytorch/pytorch#179291),
+which jobgen would read as a failed node.
+
 transformers and torch are imported when the callback is made, not with this module, and
 DeepSpeed never: a script may import this before it decides what to use.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any
 
@@ -42,6 +48,10 @@ class StopAtStepEnd:
                       f"{state.global_step} and stopping", flush=True)
         return control
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        atexit.register(destroy_gloo_process_group)
+        return control
+
     def _agreed(self, args: Any) -> bool:
         """Whether any rank has a stop request: every rank stops at the same step, or one would
         wait in the save's collectives for the others."""
@@ -56,6 +66,15 @@ class StopAtStepEnd:
         flag = torch.tensor([asked], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def destroy_gloo_process_group() -> None:
+    """At exit: a gloo process group goes before the interpreter does. Not NCCL's, whose destroy
+    may wait on another rank; its teardown is not the one that aborts."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 _made: dict[str, type] = {}

@@ -1,0 +1,82 @@
+"""A Hugging Face Trainer script of the user's own (launch.command) on the real OpenPBS server:
+2 nodes x 1 rank over pbsdsh, preempted by an express-queue job, rerun by the server under the
+same job id and resumed from the checkpoint JobgenCallback saved at the stop, via
+launch.resume_argument. Every step is trained once, and the final loss equals the same script's
+uninterrupted run on the local scheduler exactly (the Trainer's resume restores its RNG states and
+skips the batches it trained; the ranks, backend and data order are the same)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.cluster.pbs_servers import PbsServer
+from tests.test_pbs_servers import finished, jobgen_as, logs, status, submit, tiny, wait_for  # noqa: F401 - tiny is a fixture
+from tests.test_slurm_own_command import FINETUNE
+
+MAX_STEPS = 12
+
+
+def own_job(name: str, tiny: Path, setup: list[str], step_delay: float) -> dict:
+    return {
+        "name": f"jobgen-test-{name}",
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
+        "launch": {"procs_per_node": 1, "command": ["python", "finetune.py", str(tiny), "out"],
+                   "resume_argument": "--resume_from_checkpoint {checkpoint}", "checkpoints": "out/checkpoint-*"},
+        "environment": {"setup": setup, "variables": {"STEP_DELAY": step_delay}},
+        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+    }
+
+
+def logged(folder: Path) -> list[dict]:
+    path = folder / "out" / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def reference_run(folder: Path, tiny: Path) -> list[dict]:
+    folder.mkdir()
+    (folder / "finetune.py").write_text(FINETUNE)
+    (folder / "job.yaml").write_text(yaml.safe_dump(own_job("hf-reference", tiny, [], step_delay=0)))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return logged(folder)
+
+
+def test_openpbs_a_preempted_trainer_script_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(
+        openpbs: PbsServer, tiny: Path, tmp_path: Path) -> None:
+    reference = reference_run(tmp_path / "reference", tiny)
+    assert [entry["step"] for entry in reference] == list(range(1, MAX_STEPS + 1))
+
+    folder = openpbs.folder("hf-preempt")
+    (folder / "finetune.py").write_text(FINETUNE)
+    job = own_job("hf-preempt", tiny, [f"source {openpbs.venv}/bin/activate"], step_delay=2)
+    job_id = submit(openpbs, folder, job, "jobgen-submit")
+    run_dir = folder / "runs" / job["name"]
+    wait_for(lambda: any(entry["step"] >= 3 for entry in logged(folder)), "step 3", timeout=300)
+    # It needs every CPU of every vnode: the scheduler requeues the workq job to run it.
+    preemptor = subprocess.run([str(openpbs.bin / "qsub"), "-q", openpbs.express_queue, "-N", "jobgen-test-preemptor",
+                                "-l", "select=4:ncpus=4", "-j", "oe", "-o", "/dev/null", "--", "/bin/sleep", "3"],
+                               cwd=folder, capture_output=True, text=True, env={**os.environ, "PATH": f"{openpbs.bin}:/usr/bin:/bin"})
+    assert preemptor.returncode == 0, preemptor.stderr
+    fields = finished(openpbs, job_id)
+    log = logs(openpbs, folder, run_dir)
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), log
+
+    first, second = status(openpbs, folder, job_id)["segments"]
+    assert first["outcome"] == "preempted" and second["outcome"] == "completed", (first, second, log)
+    # Saved at the stop (checkpoint-N), and the rerun resumed from it: no step lost, none twice.
+    assert second["first_step"] == first["last_step"] >= 3, (first, second)
+    assert f"resuming from {folder}/out/checkpoint-{first['last_step']} (launch.resume_argument)" in log
+    steps = [entry["step"] for entry in logged(folder)]
+    assert steps == list(range(1, MAX_STEPS + 1)), steps
+    assert logged(folder)[-1]["loss"] == reference[-1]["loss"]
+    everything = "".join(p.read_text() for p in (run_dir / "logs").rglob("*.out"))
+    assert "Traceback" not in everything, everything
+    print(f"preempted at step {first['last_step']}; final loss {reference[-1]['loss']} in both")
