@@ -171,9 +171,13 @@ def schema() -> None:
 @template_dir_option
 @with_sweep_options
 @click.option("--dry-run", is_flag=True, help="Print exactly what would be submitted; submit nothing, write nothing.")
+@click.option("--resume-from", "resume_from", metavar="CHECKPOINT",
+              help="Resume the run from this checkpoint of its own (step-000300, or 300) rather than its newest: "
+                   "the later checkpoints are moved to OUTPUT_DIR/checkpoints-set-aside/, never resumed from.")
 def submit(
     config: Path, scheduler: Optional[str], site: Optional[str], overrides: tuple[str, ...], template_dirs: tuple[Path, ...],
     sweeps: tuple[str, ...], sweep_file: Optional[Path], max_running: Optional[int], dry_run: bool,
+    resume_from: Optional[str] = None,
 ) -> None:
     """Submit CONFIG and print its job id.
 
@@ -199,7 +203,11 @@ def submit(
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
     _check_point_files(resolved, points)
     if sweep is not None:
+        if resume_from:
+            raise click.UsageError("--resume-from resumes one run; give it a point's own job, not --sweep")
         return _submit_sweep(resolved, points, sweep, scheduler, template_dirs, dry_run)
+    if resume_from:
+        _set_aside_after(resolved, resume_from, dry_run)
     if dry_run:
         planned = submission.plan(resolved, scheduler, template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
@@ -217,6 +225,22 @@ def submit(
         from jobgen.rundir.status import foreground_exit_status
 
         sys.exit(foreground_exit_status(planned.run))
+
+
+def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:
+    """--resume-from: the checkpoints after the chosen one out of the trainer's sight (jobgen.rundir.rewind),
+    once no job of the run is queued or running."""
+    from jobgen.rundir import rewind, submission
+    from jobgen.rundir.metrics import output_dir
+
+    run = submission.run_dir_for(resolved)
+    submission.refuse_if_active(run)
+    output = output_dir(run.path, {"training": {"output_dir": resolved.job.training.output_dir}})
+    step = rewind.chosen_step(output, choice)
+    moved = rewind.set_aside_after(output, step, dry_run)
+    where = f"moved to {moved[0].parent}" if moved and not dry_run else "would be set aside" if moved else "none to set aside"
+    click.echo(f"jobgen: resuming from step-{step:06d}; later checkpoints ({', '.join(p.name for p in moved) or 'none'}): "
+               f"{where}", err=True)
 
 
 def _check_point_files(base, points) -> None:

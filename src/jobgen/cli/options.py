@@ -182,10 +182,12 @@ def check_files(job) -> None:
     from jobgen.job.preflight import check_job_files, working_directory
     from jobgen.rundir.model_pin import at_its_pin
     from jobgen.train.dsconfig import check_job_deepspeed
+    from jobgen.train.init_from import check_job as check_init_from
 
     job = at_its_pin(job)  # a resubmitted run loads the commit it started with
     warnings = check_job_files(job)
     if job.launch.entrypoint != "jobgen-probe" and job.training is not None:
         warnings += check_job_deepspeed(job, working_directory(job))
+        warnings += check_init_from(job, working_directory(job))
     for warning in warnings:
         click.echo(f"jobgen: warning: {warning}", err=True)

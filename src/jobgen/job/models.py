@@ -642,6 +642,13 @@ class Training(_Strict):
         None, gt=0, description="your estimate of one optimizer step, used only to warn about save_interval"
     )
     output_dir: str = Field("output", description="adapters, checkpoints and metrics; relative to the run directory")
+    init_from: Optional[str] = Field(
+        None, min_length=1,
+        description="start this run from another run's weights: its checkpoint folder (OUTPUT_DIR/checkpoints/"
+        "step-NNNNNN) or, for lora and qlora, its adapter folder (OUTPUT_DIR/final). Weights only: the run starts at "
+        "step 0 with a fresh optimizer and its own LR schedule, and once it has a checkpoint of its own it resumes "
+        "from that. For a full model folder, set training.model to it instead. Relative to the working directory",
+    )
     lora: Lora = Field(default_factory=Lora)
     gradient_checkpointing: bool = False
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(

@@ -115,6 +115,10 @@ class CheckpointStore:
             return None
         return _found(path)
 
+    def problem_with(self, path: str) -> Optional[str]:
+        """Collective: None if every file of the complete checkpoint `path` matches its manifest."""
+        return self._verify(path)
+
     def is_complete(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.root, name, COMPLETE))
 

@@ -50,6 +50,9 @@ RESUME_SAFE_FIELDS = {
     # Which kernels compute the same model, not what it computes: a checkpoint resumes with others
     # (exactly only with the same ones, as their roundings differ).
     "attention", "liger_kernel",
+    # Read only by a run without a checkpoint of its own (jobgen.train.init_from): a restart resumes
+    # from the run's checkpoints, whatever init_from names then.
+    "init_from",
 }
 
 
@@ -130,6 +133,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
         resolved = resolved.model_copy(update={"deepspeed_config": os.path.abspath(resolved.deepspeed_config)})
     if resolved.prepared_cache:
         resolved = resolved.model_copy(update={"prepared_cache": os.path.abspath(resolved.prepared_cache)})
+    if resolved.init_from:
+        resolved = resolved.model_copy(update={"init_from": os.path.abspath(resolved.init_from)})
     output_dir = training.output_dir
     if not os.path.isabs(output_dir):
         output_dir = os.path.join(run_dir, output_dir)

@@ -126,11 +126,8 @@ def _loss_scaler_state(engine: Any) -> dict:
     return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
 
 
-def load(engine: Any, checkpoint: str, written_by: int, rank: int, world_size: int) -> None:
-    """Collective-free: set this rank's partitions of the fp32 weights, the optimizer moments and
-    step, and its 16-bit weights, from the pieces `written_by` ranks left in `checkpoint`."""
+def _read_shards(checkpoint: str, written_by: int) -> list:
     import torch
-    import deepspeed.utils as dsu
 
     shards = []
     for old in range(written_by):
@@ -140,41 +137,65 @@ def load(engine: Any, checkpoint: str, written_by: int, rank: int, world_size: i
             raise UserError(f"checkpoint {os.path.basename(checkpoint)} has no {DIRECTORY}/ state of rank {old} (written "
                             f"by an older jobgen): resume it on {written_by} ranks (resources.nodes x launch.procs_per_node)")
         shards.append(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    return shards
+
+
+def _assemble(checkpoint: str, shards: list, name: str, keys: list[str]) -> dict:
+    """The whole flattened fp32 weight of parameter `name` (and each of `keys`), from its pieces."""
+    import torch
+
+    found = [s["params"][name] for s in shards if name in s["params"]]
+    if not found:
+        raise RuntimeError(f"{checkpoint} holds no state for parameter {name}")
+    numel = math.prod(found[0]["shape"])
+    full = {key: torch.zeros(numel, dtype=torch.float32) for key in ["fp32", *keys]}
+    covered = 0
+    for piece in found:
+        length = piece["fp32"].numel()
+        for key in full:
+            full[key][piece["start"] : piece["start"] + length] = piece[key]
+        covered += length
+    if covered != numel:
+        raise RuntimeError(f"{checkpoint}: the pieces of {name} cover {covered} of its {numel} elements")
+    return full
+
+
+def _place(p: Any, full: dict, keys: list[str], rank: int) -> None:
+    """Set this rank's share of parameter `p` from its whole flattened fp32 tensors in `full`."""
+    import torch
+    import deepspeed.utils as dsu
+
+    if hasattr(p, "ds_id"):  # ZeRO-3: this rank's padded partition
+        part = p.ds_tensor.ds_numel
+        for key, value in full.items():
+            local = torch.zeros(part, dtype=torch.float32)
+            mine = value[rank * part : (rank + 1) * part]
+            local[: mine.numel()] = mine
+            local = local.to(p.ds_tensor.device)
+            if key == "fp32":
+                dsu.safe_set_local_fp32_param(p, local)
+                p.ds_tensor.data.copy_(local.to(p.ds_tensor.dtype))
+            else:
+                dsu.safe_set_local_optimizer_state(p, local, key)
+    else:  # ZeRO-1/2: every rank holds the whole 16-bit parameter and a fragment of the rest
+        device = p.device
+        if getattr(p, "_hp_mapping", None) is not None:
+            dsu.safe_set_full_fp32_param(p, full["fp32"].to(device))
+            for key in keys:
+                dsu.safe_set_full_optimizer_state(p, full[key].to(device), key)
+        p.data.copy_(full["fp32"].view(p.shape).to(device=device, dtype=p.dtype))
+
+
+def load(engine: Any, checkpoint: str, written_by: int, rank: int, world_size: int) -> None:
+    """Collective-free: set this rank's partitions of the fp32 weights, the optimizer moments and
+    step, and its 16-bit weights, from the pieces `written_by` ranks left in `checkpoint`."""
+    import torch
+
+    shards = _read_shards(checkpoint, written_by)
     keys = shards[0]["state_keys"]
     _materialize_states(engine, keys)
     for name, p in _trainable(engine):
-        found = [s["params"][name] for s in shards if name in s["params"]]
-        if not found:
-            raise RuntimeError(f"{checkpoint} holds no state for parameter {name}")
-        numel = math.prod(found[0]["shape"])
-        full = {key: torch.zeros(numel, dtype=torch.float32) for key in ["fp32", *keys]}
-        covered = 0
-        for piece in found:
-            length = piece["fp32"].numel()
-            for key in full:
-                full[key][piece["start"] : piece["start"] + length] = piece[key]
-            covered += length
-        if covered != numel:
-            raise RuntimeError(f"{checkpoint}: the pieces of {name} cover {covered} of its {numel} elements")
-        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's padded partition
-            part = p.ds_tensor.ds_numel
-            for key, value in full.items():
-                local = torch.zeros(part, dtype=torch.float32)
-                mine = value[rank * part : (rank + 1) * part]
-                local[: mine.numel()] = mine
-                local = local.to(p.ds_tensor.device)
-                if key == "fp32":
-                    dsu.safe_set_local_fp32_param(p, local)
-                    p.ds_tensor.data.copy_(local.to(p.ds_tensor.dtype))
-                else:
-                    dsu.safe_set_local_optimizer_state(p, local, key)
-        else:  # ZeRO-1/2: every rank holds the whole 16-bit parameter and a fragment of the rest
-            device = p.device
-            if getattr(p, "_hp_mapping", None) is not None:
-                dsu.safe_set_full_fp32_param(p, full["fp32"].to(device))
-                for key in keys:
-                    dsu.safe_set_full_optimizer_state(p, full[key].to(device), key)
-            p.data.copy_(full["fp32"].view(p.shape).to(device=device, dtype=p.dtype))
+        _place(p, _assemble(checkpoint, shards, name, keys), keys, rank)
     step = shards[0]["optimizer_step"]
     for state in engine.optimizer.optimizer.state.values():
         state["step"] = torch.full_like(state["step"], step)
@@ -185,3 +206,22 @@ def load(engine: Any, checkpoint: str, written_by: int, rank: int, world_size: i
     for key, value in shards[0]["loss_scaler"].items():
         if scaler is not None and hasattr(scaler, key):
             setattr(scaler, key, value)
+
+
+def load_weights(engine: Any, checkpoint: str, written_by: int, rank: int) -> None:
+    """Collective-free: the trainable weights only (training.init_from), from any world size; the
+    optimizer and its step stay as they are."""
+    shards = _read_shards(checkpoint, written_by)
+    set_weights(engine, {name: _assemble(checkpoint, shards, name, [])["fp32"] for name, _ in _trainable(engine)}, rank)
+
+
+def set_weights(engine: Any, weights: dict, rank: int) -> None:
+    """Set each trainable parameter from `weights` (name: its whole tensor, any float dtype);
+    UserError when a tensor has another number of elements (another LoRA shape or model)."""
+    for name, p in _trainable(engine):
+        value = weights[name].detach().flatten().float()
+        numel = math.prod(p.ds_shape) if hasattr(p, "ds_id") else p.numel()
+        if value.numel() != numel:
+            raise UserError(f"training.init_from: {name} has {value.numel()} weights there and {numel} in this job; "
+                            f"give weights of the same model and LoRA settings")
+        _place(p, {"fp32": value}, [], rank)

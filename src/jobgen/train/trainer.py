@@ -35,7 +35,7 @@ from jobgen.job.model_config import code_files_of
 from jobgen.rundir.files import BEST_MODEL, FINAL_MODEL
 from jobgen.rundir.model_pin import needs_pin, pin_commit
 from jobgen.train import checkpoint as ckpt
-from jobgen.train import health
+from jobgen.train import health, init_from
 from jobgen.train.background_save import BackgroundSaves
 from jobgen.train.best import BestSoFar, restore_pointer, write_pointer
 from jobgen.train.chat_template import CHATML, CHATML_JINJA
@@ -84,6 +84,7 @@ class Trainer:
         self.clock = StartupClock()  # from the process's start: a restart's cost, phase by phase
         self.beat = Heartbeat(info.rank, health.node_name())  # what the node's hang supervisor reads
         self.eval_set: Optional[StoredDataset] = None  # mapped in the data phase
+        self.init_source: Optional[init_from.Source] = None  # training.init_from, on a run with no checkpoint yet
 
     # --------------------------------------------------------------- set-up
     def run(self) -> None:
@@ -117,6 +118,8 @@ class Trainer:
             found = store.find_latest()
             if found is not None:
                 ckpt.check_compatible(found, self.p.config_digest, self._changed_fields(found))
+            # Only a run without a checkpoint of its own starts from init_from, checked before any weight is read.
+            self.init_source = init_from.check(t, t.init_from) if t.init_from and found is None else None
             self.global_batch = self._global_batch(found)
             self.micro, self.accumulation = split_global_batch(
                 self.global_batch, dist.world_size, t.per_device_batch_size, self.p.job.procs_per_node
@@ -131,6 +134,14 @@ class Trainer:
         except UserError as exc:
             error = exc
         dist.raise_together(error)
+        if self.init_source is not None and self.init_source.kind == "checkpoint":
+            # Every file's sha256, the hashing spread over the ranks as a resume's is: never a damaged checkpoint.
+            problem = ckpt.CheckpointStore(os.path.dirname(t.init_from), dist, t.keep_checkpoints).problem_with(t.init_from)
+            if problem:
+                dist.raise_together(UserError(f"training.init_from: checkpoint {t.init_from!r} does not match its "
+                                              f"manifest ({problem}); give another checkpoint of that run"))
+        elif t.init_from and found is not None and dist.is_main:
+            log.info("training.init_from not read: this run resumes from its own checkpoint %s", found.path)
         self.report.checkpoint = found.path if found else None
         # The best by eval loss as the resumed checkpoint knew it (keep_best), and best.json to match.
         self.best = BestSoFar.from_state(found.state if found else None) if t.keep_best else None
@@ -208,6 +219,12 @@ class Trainer:
                 log.info("resumed from %s (step %d%s); checkpoint loaded in %.1f s", found.path, first_step, resharded,
                          time.perf_counter() - loading)
         else:
+            if self.init_source is not None:
+                loading = time.perf_counter()
+                init_from.load(engine, self.init_source, dist.rank)
+                if dist.is_main:
+                    log.info("initialized from %s %s (weights only: step 0, a fresh optimizer and this job's schedule) "
+                             "in %.1f s", self.init_source.kind, self.init_source.path, time.perf_counter() - loading)
             _seed_all(t.seed + dist.rank)  # per-rank streams for dropout and anything else random
         clock.mark("checkpoint load")
         self.report.first_step = self.report.last_step = first_step

@@ -1,0 +1,93 @@
+"""`jobgen submit --resume-from CHECKPOINT`: resume a run from a checkpoint of its own that is not
+its newest (the newest diverged, or trained on bad data).
+
+The trainer always resumes from the newest complete checkpoint (jobgen.train.checkpoint), so the
+checkpoints after the chosen one are moved out of its sight, never deleted: into
+OUTPUT_DIR/checkpoints-set-aside/after-step-NNNNNN-TIME/, a folder the trainer never looks in or
+prunes, so no later restart can jump back to them. Their lines of metrics.jsonl go there too
+(metrics-after.jsonl), so the run's loss curve is the one it resumes on. Only while no job of the
+run is queued or running (the caller checks, as every submit does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from jobgen.errors import JobgenError
+from jobgen.files import write_atomic
+from jobgen.rundir.files import BEST_CHECKPOINT, METRICS_FILE
+
+CHECKPOINTS = "checkpoints"
+SET_ASIDE = "checkpoints-set-aside"
+COMPLETE = "COMPLETE"
+STEP = re.compile(r"^(?:step-)?(\d+)$")
+# Names in checkpoints/ that hold a step: complete, half-written (.tmp-), or damaged (corrupt-).
+STEP_FOLDER = re.compile(r"^(?:\.tmp-|corrupt-)?step-(\d+)$")
+
+
+def chosen_step(output: Path, choice: str) -> int:
+    """The step of `choice` (step-000300, 300, or that folder's path) among the run's complete
+    checkpoints; JobgenError naming the option, the value and those it could be."""
+    match = STEP.match(Path(choice).name)
+    folder = output / CHECKPOINTS
+    complete = sorted(int(m.group(1)) for m in map(STEP.match, _names(folder))
+                      if m and (folder / m.group(0) / COMPLETE).exists() and m.group(0).startswith("step-"))
+    have = ", ".join(f"step-{s:06d}" for s in complete) or "none"
+    if match is None or int(match.group(1)) not in complete:
+        raise JobgenError(f"--resume-from: {choice!r} is not a complete checkpoint of this run in {folder} "
+                          f"(it has: {have}); give one of them")
+    return int(match.group(1))
+
+
+def set_aside_after(output: Path, step: int, dry_run: bool = False) -> list[Path]:
+    """Move every checkpoint of a step after `step` (and their metrics lines, and best.json when it
+    names one of them) into a new folder of SET_ASIDE; returns the checkpoints moved, or, with
+    `dry_run`, that would be."""
+    folder = output / CHECKPOINTS
+    later = sorted((folder / name for name in _names(folder)
+                    if (m := STEP_FOLDER.match(name)) and int(m.group(1)) > step), key=lambda p: p.name)
+    if dry_run or not later:
+        return later
+    aside = output / SET_ASIDE / f"after-step-{step:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    aside.mkdir(parents=True)
+    best = output / BEST_CHECKPOINT
+    if best.exists() and _names_one_of(best, later):
+        os.replace(best, aside / best.name)  # the resumed checkpoint's own state restores it
+    for path in later:
+        os.replace(path, aside / path.name)
+    _split_metrics(output / METRICS_FILE, step, aside / "metrics-after.jsonl")
+    return [aside / path.name for path in later]
+
+
+def _split_metrics(metrics: Path, step: int, after: Path) -> None:
+    if not metrics.exists():
+        return
+    keep, moved = [], []
+    for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            late = int(json.loads(line).get("step", 0)) > step
+        except (ValueError, TypeError, AttributeError):
+            late = False
+        (moved if late else keep).append(line)
+    if moved:
+        after.write_text("".join(moved), encoding="utf-8")
+        write_atomic(metrics, "".join(keep))
+
+
+def _names_one_of(best: Path, paths: list[Path]) -> bool:
+    try:
+        named = json.loads(best.read_text(encoding="utf-8")).get("checkpoint", "")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return Path(str(named)).name in {p.name for p in paths}
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
