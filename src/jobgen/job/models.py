@@ -664,7 +664,19 @@ class Training(_Strict):
     )
     seed: int = 42
     logging_interval: int = Field(1, ge=1)
-    tensorboard: bool = False
+    tensorboard: bool = Field(False, description="the same as tensorboard in report_to (its older spelling)")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers that rank 0 logs each logging step to, named as the Hugging Face Trainer "
+        "names them; one tracker run per jobgen run however often it is requeued (its ids are kept in the run "
+        "directory's trackers.json). W&B runs offline unless WANDB_MODE is set, into RUN_DIR/wandb; MLflow logs to "
+        "mlflow_tracking_uri",
+    )
+    mlflow_tracking_uri: Optional[str] = Field(
+        None,
+        description="where MLflow logs (report_to: mlflow): a server (http://...) or a store; default the "
+        "MLFLOW_TRACKING_URI of the nodes' environment, else a file store in RUN_DIR/mlruns",
+    )
     deepspeed_config: Optional[str] = Field(
         None,
         description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
@@ -688,6 +700,10 @@ class Training(_Strict):
                 "training.eval_fraction (evaluated every training.eval_interval steps), or drop keep_best"
             )
         return self
+
+    def trackers(self) -> list[str]:
+        """report_to, with tensorboard where the older `tensorboard: true` asks for it."""
+        return list(dict.fromkeys([*self.report_to, *(["tensorboard"] if self.tensorboard else [])]))
 
     def warmup_of(self, total_steps: int) -> int:
         """Warmup steps of a run of `total_steps` (warmup_ratio rounded up, as the Hugging Face Trainer)."""
