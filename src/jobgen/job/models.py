@@ -244,6 +244,12 @@ class Launch(_Strict):
         description="launch.command only: the file a checkpoint holds once it is complete (the Trainer writes "
         "trainer_state.json last); a match without it is never passed. null: every match is complete",
     )
+    report_to: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="launch.command only: the trackers the program reports to; jobgen keeps one run of each for the "
+        "jobgen run and exports WANDB_RUN_ID, WANDB_RESUME=allow, WANDB_DIR, WANDB_MODE (offline unless set), "
+        "MLFLOW_TRACKING_URI, MLFLOW_RUN_ID, so that every requeue continues it. README: 'Experiment trackers'",
+    )
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
     )
@@ -315,7 +321,7 @@ class Launch(_Strict):
             raise ValueError(f"launch.command and launch.entrypoint ({self.entrypoint}) are both set: give one, "
                              "the job's own program or jobgen's")
         if self.command is None:
-            own = [name for name in ("resume_argument", "stop_signal", "checkpoints", "checkpoint_complete_file")
+            own = [name for name in ("resume_argument", "stop_signal", "checkpoints", "checkpoint_complete_file", "report_to")
                    if name in self.model_fields_set]
             if own:
                 raise ValueError(f"launch.{own[0]} is for a program of the job's own: set launch.command too, or drop it")
@@ -670,12 +676,7 @@ class Training(_Strict):
         description="experiment trackers that rank 0 logs each logging step to, named as the Hugging Face Trainer "
         "names them; one tracker run per jobgen run however often it is requeued (its ids are kept in the run "
         "directory's trackers.json). W&B runs offline unless WANDB_MODE is set, into RUN_DIR/wandb; MLflow logs to "
-        "mlflow_tracking_uri",
-    )
-    mlflow_tracking_uri: Optional[str] = Field(
-        None,
-        description="where MLflow logs (report_to: mlflow): a server (http://...) or a store; default the "
-        "MLFLOW_TRACKING_URI of the nodes' environment, else a file store in RUN_DIR/mlruns",
+        "MLFLOW_TRACKING_URI (environment.variables), else to a file store in RUN_DIR/mlruns",
     )
     deepspeed_config: Optional[str] = Field(
         None,

@@ -106,6 +106,7 @@ class _TemplateFiles:
     segments = SEGMENTS
     stop_requested = STOP_REQUESTED
     newest_checkpoint = NEWEST_CHECKPOINT
+    tracker_ids = TRACKER_IDS
     trainer_exit = TRAINER_EXIT
     logs = LOGS
     continuation_script = CONTINUATION_SCRIPT

@@ -310,7 +310,7 @@ class Trainer:
         try:
             if dist.is_main:
                 trackers = Trackers(t.trackers(), p.run_dir, p.output_dir, p.job.name,
-                                    p.job.training.model_dump(mode="json"), t.mlflow_tracking_uri)
+                                    p.job.training.model_dump(mode="json"))
         except UserError as exc:
             error = exc
         dist.raise_together(error)
