@@ -23,7 +23,7 @@ log = logging.getLogger("jobgen.train")
 # The package each tracker needs, and what installs it.
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}
-NOT_LOGGED = ("step", "total_steps", "restart")  # the step is the axis; the others are bookkeeping
+NOT_LOGGED = ("step", "time", "total_steps", "restart")  # the step is the axis; the others are bookkeeping
 
 
 def check_installed(trackers: list[str], field: str = "training.report_to") -> None:
