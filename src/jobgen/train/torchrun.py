@@ -211,13 +211,13 @@ def export_tracker_environment() -> None:
     """The job's own program (launch.report_to, as JOBGEN_REPORT_TO): the trackers' kept run ids and
     settings into the environment the ranks inherit (jobgen.train.trackers). Here, not in the batch
     script, as this is where the program's Python and its tracker packages are, on every node."""
+    trackers = [name for name in os.environ.get(REPORT_TO_ENV, "").split(",") if name]
+    if not trackers:
+        return
     from jobgen.errors import UserError
     from jobgen.rundir.files import EXIT_USER_ERROR
     from jobgen.train.trackers import own_program_environment
 
-    trackers = [name for name in os.environ.get(REPORT_TO_ENV, "").split(",") if name]
-    if not trackers:
-        return
     try:
         os.environ.update(own_program_environment(trackers, os.environ["JOBGEN_RUN_DIR"], node_rank_of(sys.argv) == 0))
     except UserError as error:
