@@ -1,6 +1,8 @@
 """A real local run that a user stopped with Ctrl-C and resumed: one simulated node (one rank:
-the cheapest real run), the tiny model, LoRA on DeepSpeed ZeRO-2. Made once per session, for tests/test_progress.py (what a user
-sees while it runs) and tests/test_plot.py (the picture of its two segments)."""
+the cheapest real run), the tiny model, LoRA on DeepSpeed ZeRO-2, reporting to W&B (offline) and
+MLflow (a file store). Made once per session, for tests/test_progress.py (what a user sees while it
+runs), tests/test_plot.py (the picture of its two segments) and tests/test_trackers.py (one tracker
+run across both)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,16 @@ def stopped_and_resumed_run(tmp_path_factory) -> StoppedAndResumed:
         "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
         "launch": {"procs_per_node": 1},
         "training": {"model": "tiny/model", "data": "tiny/data.json", "method": "lora", "precision": "fp32",
-                     "per_device_batch_size": 2, "max_length": 64, "max_steps": STEPS, "logging_interval": 1},
+                     "per_device_batch_size": 2, "max_length": 64, "max_steps": STEPS, "logging_interval": 1,
+                     "report_to": ["wandb", "mlflow"]},
     }
     (work / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": "0.5",
+           # W&B's own settings and caches here, not in the home folder; its mode is jobgen's choice.
+           "WANDB_CONFIG_DIR": str(work / "wandb-config"), "WANDB_CACHE_DIR": str(work / "wandb-cache"),
+           "WANDB_DATA_DIR": str(work / "wandb-data")}
+    for name in ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        env.pop(name, None)
     submit = [sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"]
     run_dir = work / "runs" / "stop-resume"
 

@@ -56,6 +56,8 @@ def test_a_job_with_its_own_command_validates_and_renders_without_training(tmp_p
     ({"command": ["python", "t.py"], "entrypoint": "jobgen-train"}, {}, "launch.command and launch.entrypoint (jobgen-train) are both set"),
     ({"command": ["python", "t.py"], "resume_argument": "--resume"}, {}, "write {checkpoint} for its path"),
     ({"resume_argument": "--resume {checkpoint}"}, {"training": {"model": "m", "data": "d"}}, "launch.resume_argument is for a program of the job's own: set launch.command too"),
+    ({"report_to": ["wandb"]}, {"training": {"model": "m", "data": "d"}}, "launch.report_to is for a program of the job's own: set launch.command too"),
+    ({"command": ["python", "t.py"], "report_to": ["comet"]}, {}, "'launch.report_to.0' is 'comet': Input should be 'wandb' or 'mlflow'"),
     ({}, {}, "training is missing: give training.model and training.data for jobgen-train, or launch.command"),
 ])
 def test_a_wrong_own_command_is_one_line_naming_the_field(tmp_path: Path, launch: dict, sections: dict, message: str) -> None:

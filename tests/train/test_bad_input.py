@@ -171,3 +171,18 @@ def test_gpu_job_where_cuda_is_unusable_is_an_error_not_a_cpu_run(make_job, tool
         assert "set gpus_per_node: 0 and launch.procs_per_node for a CPU run" in line
         assert tools.exit_report(job.parent)["reason"] == "failed"
         assert not (job.parent / "output" / "checkpoints").exists()
+
+
+def test_a_tracker_package_not_installed_is_one_line_before_the_model_loads(make_job, tools):
+    job = make_job("nomlflow", procs=1, report_to=["wandb", "mlflow"])
+    # mlflow is installed here: hide it from this one process, as on nodes without it.
+    hide = "import sys; sys.modules['mlflow'] = None; from jobgen.train.__main__ import main; main()"
+    result = subprocess.run([sys.executable, "-c", hide, "--job", str(job)], cwd=job.parent, env=tools.subprocess_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "jobgen-train: error: training.report_to has mlflow but the mlflow package is not installed on this node: "
+        "pip install mlflow-skinny"
+    )
+    assert "Traceback" not in result.stderr and "loaded in" not in result.stderr  # before the model load
+    assert not (job.parent / "trackers.json").exists()

@@ -172,7 +172,10 @@ def test_metrics_writer_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
 
     monkeypatch.setenv("JOBGEN_JOB_ID", "123")
     monkeypatch.setenv("JOBGEN_RESTART_COUNT", "2")
-    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, total_steps=4, first_step=0)
+    from jobgen.train.trackers import Trackers
+
+    trackers = Trackers(["tensorboard"], str(tmp_path), str(tmp_path), "r1", {})
+    writer = MetricsWriter(str(tmp_path), enabled=True, total_steps=4, first_step=0, trackers=trackers)
     writer.write({"step": 1, "loss": 2.0, "lr": 0.1})
     writer.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())

@@ -244,6 +244,12 @@ class Launch(_Strict):
         description="launch.command only: the file a checkpoint holds once it is complete (the Trainer writes "
         "trainer_state.json last); a match without it is never passed. null: every match is complete",
     )
+    report_to: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="launch.command only: the trackers the program reports to; jobgen keeps one run of each for the "
+        "jobgen run and exports WANDB_RUN_ID, WANDB_RESUME=allow, WANDB_DIR, WANDB_MODE (offline unless set), "
+        "MLFLOW_TRACKING_URI, MLFLOW_RUN_ID, so that every requeue continues it. README: 'Experiment trackers'",
+    )
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
     )
@@ -315,7 +321,7 @@ class Launch(_Strict):
             raise ValueError(f"launch.command and launch.entrypoint ({self.entrypoint}) are both set: give one, "
                              "the job's own program or jobgen's")
         if self.command is None:
-            own = [name for name in ("resume_argument", "stop_signal", "checkpoints", "checkpoint_complete_file")
+            own = [name for name in ("resume_argument", "stop_signal", "checkpoints", "checkpoint_complete_file", "report_to")
                    if name in self.model_fields_set]
             if own:
                 raise ValueError(f"launch.{own[0]} is for a program of the job's own: set launch.command too, or drop it")
@@ -671,7 +677,14 @@ class Training(_Strict):
     )
     seed: int = 42
     logging_interval: int = Field(1, ge=1)
-    tensorboard: bool = False
+    tensorboard: bool = Field(False, description="the same as tensorboard in report_to (its older spelling)")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers that rank 0 logs each logging step to, named as the Hugging Face Trainer "
+        "names them; one tracker run per jobgen run however often it is requeued (its ids are kept in the run "
+        "directory's trackers.json). W&B runs offline unless WANDB_MODE is set, into RUN_DIR/wandb; MLflow logs to "
+        "MLFLOW_TRACKING_URI (environment.variables), else to a file store in RUN_DIR/mlruns",
+    )
     deepspeed_config: Optional[str] = Field(
         None,
         description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
@@ -695,6 +708,10 @@ class Training(_Strict):
                 "training.eval_fraction (evaluated every training.eval_interval steps), or drop keep_best"
             )
         return self
+
+    def trackers(self) -> list[str]:
+        """report_to, with tensorboard where the older `tensorboard: true` asks for it."""
+        return list(dict.fromkeys([*self.report_to, *(["tensorboard"] if self.tensorboard else [])]))
 
     def warmup_of(self, total_steps: int) -> int:
         """Warmup steps of a run of `total_steps` (warmup_ratio rounded up, as the Hugging Face Trainer)."""

@@ -39,6 +39,10 @@ NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with 
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder
+# The experiment trackers' run ids (W&B, MLflow), made at a run's first start and reused by every
+# segment, so that a requeued run continues one tracker run (jobgen.rundir.trackers).
+TRACKER_IDS = "trackers.json"
+MLFLOW_STORE = "mlruns"  # MLflow's file store when no tracking URI is given
 MODEL_COMMIT = "model-commit.json"  # a hub model's commit, pinned for the run at its first start (jobgen.rundir.model_pin)
 # In the job's training.output_dir (RUN_DIR/output by default), written by the trainer's rank 0:
 METRICS_FILE = "metrics.jsonl"  # one record per optimizer step (jobgen.train.metrics)
@@ -102,6 +106,7 @@ class _TemplateFiles:
     segments = SEGMENTS
     stop_requested = STOP_REQUESTED
     newest_checkpoint = NEWEST_CHECKPOINT
+    tracker_ids = TRACKER_IDS
     trainer_exit = TRAINER_EXIT
     logs = LOGS
     continuation_script = CONTINUATION_SCRIPT

@@ -1,4 +1,5 @@
-"""Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), a log line each, TensorBoard when asked;
+"""Per-step metrics: `OUTPUT_DIR/metrics.jsonl` (rank 0), a log line each, the experiment trackers
+the job reports to (jobgen.train.trackers);
 and `OUTPUT_DIR/startup.jsonl`, where each segment's time to its first new step went.
 
 One line per logging step: step; time (Unix seconds when written); loss, token-weighted over
@@ -23,6 +24,7 @@ from typing import Any, Optional
 
 from jobgen.rundir.files import METRICS_FILE, STARTUP_FILE
 from jobgen.rundir.metrics import describe_progress
+from jobgen.train.trackers import Trackers
 
 log = logging.getLogger("jobgen.train")
 
@@ -100,15 +102,12 @@ class MetricsWriter:
     previous line), so a reader can show progress without the job's settings: `jobgen logs -f`
     and `jobgen submit --scheduler local` turn them into one updating line on a terminal."""
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, total_steps: int, first_step: int) -> None:
+    def __init__(self, output_dir: str, enabled: bool, total_steps: int, first_step: int,
+                 trackers: Optional[Trackers] = None) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
         self.handle = open(os.path.join(output_dir, METRICS_FILE), "a", encoding="utf-8") if enabled else None
-        self.tensorboard: Optional[Any] = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self.trackers = trackers if enabled else None
         self._previous = (time.time(), first_step)
         self.segment = this_segment()
 
@@ -123,14 +122,12 @@ class MetricsWriter:
         self._previous = (now, record["step"])
         self.handle.write(json.dumps(record) + "\n")
         self.handle.flush()
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("step", "total_steps", "restart") and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if self.trackers is not None:
+            self.trackers.log(record)
         log.info("%s", describe_progress(record))
 
-    def close(self) -> None:
+    def close(self, completed: bool = False) -> None:
         if self.handle:
             self.handle.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.trackers is not None:
+            self.trackers.close(completed)

@@ -6,7 +6,6 @@ The job's paths are resolved against the working directory, the model is pinned 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from jobgen.train.distributed import Placement, place
 from jobgen.train.dsconfig import build_config, digest, followed_schedule, hidden_size_of, no_hidden_size, without_split
 from jobgen.train.modeling import use_hub_cache
 from jobgen.train.store import check_data_path
+from jobgen.train.trackers import check_installed
 
 log = logging.getLogger("jobgen.train")
 
@@ -35,6 +35,7 @@ log = logging.getLogger("jobgen.train")
 RESUME_SAFE_FIELDS = {
     "per_device_batch_size", "gradient_accumulation", "global_batch_size",
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
+    "report_to",
     "output_dir", "step_seconds_estimate", "async_save", "prepared_cache",
     # A file reads as the same conversations whether its format is detected or named (a named
     # format the file is not in is refused; only an item with two formats' fields, which auto
@@ -150,9 +151,8 @@ def prepare(job: Job, run_dir: str, world_size: int, local_rank: int = 0) -> Pre
                                      max_length=training.max_length)
     if problems:
         raise UserError("\n".join(problems))
-    if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
-        raise UserError("training.tensorboard is true but the tensorboard package is not installed: pip install tensorboard")
+    # Found here, on every rank, not by rank 0 alone once the others wait in a collective.
+    check_installed(training.trackers())
     # The records are read and checked where they are tokenized (the data phase, jobgen.train.store).
     check_data_path(resolved.data)
     # The eval set is in the store too (eval_data's own, or eval_fraction's held-out part).

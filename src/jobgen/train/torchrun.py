@@ -16,7 +16,8 @@ with EXIT_HUNG (RUN_DIR/hang.json says which ranks and nodes stopped first).
 
 For the job's own program (launch.command; node.sh then sets JOBGEN_STOP_SIGNAL), which does not
 read the batch script's stop file, this sends that signal to the ranks when the file appears (at
-the time limit's warning, a cancel, a preemption on PBS): `StopFileForwarder`.
+the time limit's warning, a cancel, a preemption on PBS): `StopFileForwarder`; and it exports
+the kept run ids of the trackers it reports to (launch.report_to): `export_tracker_environment`.
 
 At the end of a run every node's torchrun meets the others at torch's exit barrier, on the store
 that node 0's torchrun serves. When node 0 arrives last it leaves at once and takes the store with
@@ -39,6 +40,7 @@ import threading
 import time
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+REPORT_TO_ENV = "JOBGEN_REPORT_TO"  # launch.report_to, comma-separated, set by node.sh
 
 
 def torch_reads_shutdown_timeout() -> bool:
@@ -194,6 +196,35 @@ def exit_if_hung(supervisor) -> None:
         sys.exit(EXIT_HUNG)
 
 
+def node_rank_of(argv: list[str]) -> int:
+    """torchrun's --node-rank (or --node_rank) among its arguments; 0 when not given, as torchrun."""
+    for index, word in enumerate(argv):
+        for flag in ("--node-rank", "--node_rank"):
+            if word.startswith(flag + "="):
+                return int(word.split("=", 1)[1])
+            if word == flag and index + 1 < len(argv):
+                return int(argv[index + 1])
+    return 0
+
+
+def export_tracker_environment() -> None:
+    """The job's own program (launch.report_to, as JOBGEN_REPORT_TO): the trackers' kept run ids and
+    settings into the environment the ranks inherit (jobgen.train.trackers). Here, not in the batch
+    script, as this is where the program's Python and its tracker packages are, on every node."""
+    trackers = [name for name in os.environ.get(REPORT_TO_ENV, "").split(",") if name]
+    if not trackers:
+        return
+    from jobgen.errors import UserError
+    from jobgen.rundir.files import EXIT_USER_ERROR
+    from jobgen.train.trackers import own_program_environment
+
+    try:
+        os.environ.update(own_program_environment(trackers, os.environ["JOBGEN_RUN_DIR"], node_rank_of(sys.argv) == 0))
+    except UserError as error:
+        sys.stderr.write(f"jobgen-torchrun: error: {error}\n")
+        sys.exit(EXIT_USER_ERROR)
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -205,6 +236,7 @@ def main() -> None:
     if grace is not None and not torch_reads_shutdown_timeout():
         honour_shutdown_timeout(grace)
     outlive_the_exit_barrier()
+    export_tracker_environment()
     supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
     if supervisor is not None:
         supervisor.start()

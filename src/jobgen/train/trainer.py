@@ -51,6 +51,7 @@ from jobgen.train.prepare import Prepared, model_hidden_size
 from jobgen.train.schedule import LRFactor, check_schedule_total, total_steps_of
 from jobgen.train.stop import StopRequest, signal_name
 from jobgen.train.store import StoredDataset, cut_summary, ensure_eval_store, ensure_store, preparer_rank
+from jobgen.train.trackers import Trackers
 
 log = logging.getLogger("jobgen.train")
 
@@ -321,7 +322,16 @@ class Trainer:
         dist, t, p = self.dist, self.t, self.p
         dataset, order = batches.dataset, batches.order
         accumulation = batches.accumulation
-        metrics = MetricsWriter(p.output_dir, dist.is_main, t.tensorboard, total_steps, first_step)
+        # Only rank 0 reports; its refusal (a run's MLflow store moved) ends every rank together.
+        trackers, error = None, None
+        try:
+            if dist.is_main:
+                trackers = Trackers(t.trackers(), p.run_dir, p.output_dir, p.job.name,
+                                    p.job.training.model_dump(mode="json"))
+        except UserError as exc:
+            error = exc
+        dist.raise_together(error)
+        metrics = MetricsWriter(p.output_dir, dist.is_main, total_steps, first_step, trackers)
         sample_log = _sample_log(p.output_dir, dist.rank)
         engine.train()
         interval = {"loss_x_tokens": 0.0, "tokens": 0.0, "inputs": 0.0, "samples": 0.0, "seconds": 0.0}
@@ -404,7 +414,7 @@ class Trainer:
                     self._save_checkpoint(step, order, wait=stop or step == total_steps)
         finally:
             self.report.train_seconds = round(time.perf_counter() - loop_start, 3)
-            metrics.close()
+            metrics.close(completed=step >= total_steps and not stop)
             if sample_log:
                 sample_log.close()
         if self.saves:
