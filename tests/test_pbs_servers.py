@@ -175,7 +175,12 @@ def follow_continuations(server: PbsServer, folder: Path, run_dir: Path, first_i
         if "jobgen: continuation " not in log:
             break
         job_id = log.split("jobgen: continuation ")[1].split()[0]
-    segments = status(server, folder, str(run_dir))["segments"]
+    report = status(server, folder, str(run_dir))
+    segments = report["segments"]
+    # Each continuation is the run's newest submission: status asks the server of the last one.
+    continuations = [(s["continuation_of"], s["job_id"]) for s in report["submissions"] if s.get("continuation_of")]
+    assert continuations == [(a["job_id"], b["job_id"]) for a, b in zip(segments, segments[1:])], report["submissions"]
+    assert report["scheduler_state"]["job_id"] == segments[-1]["job_id"], report["scheduler_state"]
     # The timer stopped the job at least once: a run that fits in one segment proves nothing.
     assert len(segments) >= 2, logs(server, folder, run_dir)
     assert [s["outcome"] for s in segments] == ["time_limit"] * (len(segments) - 1) + ["completed"], segments

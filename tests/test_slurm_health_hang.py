@@ -137,6 +137,9 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     assert status["excluded_nodes"] == [nodes[1]]
     assert [s["outcome"] for s in status["segments"]] == ["hung", "completed"]
     assert all(s["health"]["ok"] and s["health"]["bus_bandwidth_gbps"] > 0 for s in status["segments"])
+    # The continuation is the run's newest submission: status asks Slurm of it, not of the ended job.
+    assert [s["job_id"] for s in status["submissions"]] == [job_id, continuation]
+    assert status["scheduler_state"]["job_id"] == continuation
     first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "

@@ -16,7 +16,7 @@ NODE_SCRIPT = "node.sh"  # what each node runs, with its NODE_RANK as $1
 # Environment for nodes that a launcher starts bare (pbsdsh, ssh); holds secrets, removed at the end.
 NODE_ENV = "node.env"
 SEGMENTS = "segments.jsonl"  # one start and one end line per segment, written by the batch script
-SUBMISSIONS = "submissions.jsonl"  # one line per `jobgen submit`
+SUBMISSIONS = "submissions.jsonl"  # one line per `jobgen submit`, and per continuation a job submits of itself
 SUBMISSION_TEXT = "submission.txt"  # the script as it was handed to the scheduler
 NEWEST_CHECKPOINT = "newest-checkpoint"  # the job's own program (launch.command): its newest complete checkpoint's path
 STOP_REQUESTED = "stop-requested"  # the batch script's request that every rank checkpoints and stops
@@ -104,6 +104,7 @@ class _TemplateFiles:
     node_script = NODE_SCRIPT
     node_env = NODE_ENV
     segments = SEGMENTS
+    submissions = SUBMISSIONS
     stop_requested = STOP_REQUESTED
     newest_checkpoint = NEWEST_CHECKPOINT
     tracker_ids = TRACKER_IDS

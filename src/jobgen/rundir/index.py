@@ -45,7 +45,7 @@ def describe(entry: dict[str, Any]) -> dict[str, Any]:
     if isinstance(job.get("name"), str):
         found["name"] = job["name"]
     latest = submissions[-1] if submissions else entry
-    if latest.get("sweep"):  # a sweep's points share the job's name: each is told by its folder's
+    if any(entry.get("sweep") for entry in submissions):  # a sweep's points share the job's name: each is told by its folder's
         found["name"] = f"{found['name']}/{path.name}"
     segments = attach_messages(pair_segments(run.segments()), run)
     outcome = summary(run, segments, job)

@@ -34,7 +34,8 @@ def events_of(run: RunDir, named: Optional[str], events: Optional[list[dict[str,
     events = run.segments() if events is None else events
     if named is None:
         return events
-    submitted = {str(entry.get("job_id")) for entry in run.submissions()}
+    # A continuation a job submitted of itself (continuation_of) goes on with that job.
+    submitted = {str(entry.get("job_id")) for entry in run.submissions() if not entry.get("continuation_of")}
     mine, inside = [], False
     for event in events:
         job_id = str(event.get("job_id"))
