@@ -11,7 +11,8 @@ Runs jobgen's own code against one folder (the run directory) on this machine:
   through jobgen's Heartbeat writer into the node's local folder (not counted: node-local memory);
 - the store's waiting ranks: `prepare_once` on every rank while node 0's preparer builds for
   300 simulated seconds (time.sleep is the simulation's; fcntl.lockf is made exclusive between
-  threads, as it is between processes);
+  threads, as it is between processes); each node's local rank 0 tells its other ranks through
+  the node's relay file (jobgen.train.node_relay), in a node-local folder, not counted;
 - the health gate's file work on every node (the hash cache, the data file, the model folder) and
   rank 0's record of it;
 - the rank logs of one segment, created as `jobgen.train.console` creates them.
@@ -21,8 +22,8 @@ that may create, mkdir), rename, fsync, listdir and other change (chmod, unlink,
 whose path is under the run directory, attributed to the simulated node whose thread made it.
 Where N is large only a sample of nodes runs (nodes 0-3 always, other nodes drawn at random): the
 others' summaries are in place, read as a real node's would be, and the sampled nodes' counts are
-scaled to N. Works on jobgen before and after the control-plane change (it needs only the
-Supervisor's fields and loop, prepare_once and the log names).
+scaled to N. Needs the Supervisor's fields and loop, prepare_once with its node relay and the
+log names.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ sys.path.insert(0, os.environ.get("JOBGEN_SRC", os.path.join(ROOT, "src")))
 
 from jobgen.rundir import files as runfiles  # noqa: E402
 from jobgen.train import heartbeat, store  # noqa: E402
+from jobgen.train.node_relay import NodeRelay  # noqa: E402
 
 RANKS_PER_NODE = 8
 SAMPLE = 48  # nodes that run, at most, where N is larger
@@ -324,10 +326,13 @@ def preparation(n: int, root: str, ops: Ops) -> dict:
         os.makedirs(temp)
         open(os.path.join(temp, store.COMPLETE), "w").close()
 
+    node_tmp = tempfile.mkdtemp(prefix="jobgen-bench-node-")  # each node's own temporary folder: not counted
+
     def rank(k: int, local: int) -> None:
         ops.local.node = k
         try:
-            store.prepare_once(target, build, preparer=local == 0)
+            relay = NodeRelay(os.path.join(node_tmp, f"n{k}"), leader=local == 0)
+            store.prepare_once(target, build, preparer=local == 0, relay=relay)
         finally:
             clock.exited()
 
@@ -347,6 +352,7 @@ def preparation(n: int, root: str, ops: Ops) -> dict:
         thread.join()
     ops.on = False
     unpatch_time(real)
+    shutil.rmtree(node_tmp, ignore_errors=True)
     done = sum(sum(ops.counts[k].values()) for k in waiting)
     return {"per_node_s": done / len(waiting) / PREPARATION, "late_per_node_s": (done - late[0]) / len(waiting) / 100}
 

@@ -19,6 +19,7 @@ from jobgen.job.conversations import load_conversations
 from jobgen.job.models import Training
 from jobgen.train.data import ChatTokenizer, TokenizedDataset, pack_rows
 from jobgen.train.modeling import load_tokenizer
+from jobgen.train.node_relay import NodeRelay
 from jobgen.train.store import COMPLETE, ensure_store, inputs_for, prepare_once, store_key
 from tests.train.conftest import subprocess_env
 
@@ -199,6 +200,53 @@ def test_a_preparers_error_stamped_2_min_behind_this_clock_still_reaches_the_wai
     os.replace(written, target + ".failed")  # as it arrives: whole, with the server's time
     waiting.join(timeout=10)
     assert [str(e) for e in errors] == ["data.json: record 3 (id 'x'): conversations[0].from is 'bot'"]
+
+
+def test_a_nodes_other_ranks_wait_for_its_local_rank_0_not_on_the_shared_folder(tmp_path, monkeypatch):
+    """While a store is prepared, a node's ranks other than its local rank 0 look at the shared
+    folder once, then wait on the node's own file, which local rank 0 writes when its own wait
+    ends: the shared folder sees one waiting rank per node, not 8. The preparer's error reaches
+    them the same way."""
+    target, node = str(tmp_path / "shared" / "KEY"), tmp_path / "node-tmp"
+    (tmp_path / "shared").mkdir()
+    node.mkdir()
+    ended: list[object] = []
+
+    def follow(relay_path: str) -> None:
+        try:
+            ended.append(prepare_once(target, lambda temp: None, preparer=False, relay=NodeRelay(relay_path, leader=False)))
+        except UserError as exc:
+            ended.append(exc)
+
+    follower = threading.Thread(target=follow, args=(str(node / "relay"),), daemon=True)
+    follower.start()
+    time.sleep(0.5)
+    os.makedirs(os.path.join(target, COMPLETE))  # the preparer on another node is done...
+    time.sleep(1.0)
+    assert follower.is_alive() and not ended  # ...but this rank waits for its node's leader
+    assert prepare_once(target, lambda temp: None, preparer=False, relay=NodeRelay(str(node / "relay"), leader=True)) == "found"
+    follower.join(timeout=10)
+    assert ended == ["waited"]
+
+    other = str(tmp_path / "shared" / "OTHER")
+    monkeypatch.setenv("JOBGEN_JOB_ID", "31")  # the preparer's error names this job segment
+    (tmp_path / "shared" / "OTHER.failed").write_text("jobgen segment 31/0\ntraining.data: record 3 is not a conversation\n")
+    follower = threading.Thread(target=lambda: ended.append(
+        _raised(lambda: prepare_once(other, lambda temp: None, preparer=False, relay=NodeRelay(str(node / "r2"), leader=False)))),
+        daemon=True)
+    follower.start()
+    with pytest.raises(UserError, match="^training.data: record 3 is not a conversation$"):
+        prepare_once(other, lambda temp: None, preparer=False, relay=NodeRelay(str(node / "r2"), leader=True))
+    follower.join(timeout=10)
+    assert str(ended[-1]) == "training.data: record 3 is not a conversation"
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - what the follower ended with is the answer
+        return exc
+    return None
 
 
 def test_an_earlier_starts_error_is_tried_again_and_this_segments_is_not(tmp_path, monkeypatch):

@@ -30,6 +30,8 @@ that can tell it is dead (one of its own host whose process ended, or anyone's u
 Inside a job, rank 0 alone is the preparer and the other ranks poll the file system until KEY is
 complete, or KEY.failed holds the preparer's error: polling, not a collective, cannot time out
 (every 0.2 s at first, then a tenth of the time waited, at most every 15 s: see poll_interval).
+Only each node's local rank 0 polls the shared folder; it tells the node's other ranks through a
+file of the node's own (jobgen.train.node_relay).
 No lock is trusted to span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock at all):
 a preparer takes an fcntl lock on KEY.lock where it can, which keeps two jobs of one node (or of
 a file system whose locks do span nodes) from building twice; without it two preparers of two
@@ -60,6 +62,7 @@ from typing import Any, Callable, Optional
 from jobgen.errors import UserError
 from jobgen.files import fsync_directory
 from jobgen.train.data import TokenDataset
+from jobgen.train.node_relay import FAILED, OK, NodeRelay
 
 log = logging.getLogger("jobgen.train")
 
@@ -236,15 +239,37 @@ def preparer_rank(rank: int) -> bool:
 
 
 def prepare_once(target: str, build: Callable[[str], None], preparer: bool,
-                 waiting: Optional[Callable[[float], None]] = None) -> str:
+                 waiting: Optional[Callable[[float], None]] = None, relay: Optional[NodeRelay] = None) -> str:
     """Make `target` (a folder or a file) with `build(temporary_path)` unless it is complete.
     A preparer takes TARGET.lock where the file system gives one, and builds; the others poll until
     it is complete. Returns "found", "waited" (another process made it meanwhile) or "prepared".
     Raises the preparer's UserError on every process (from TARGET.failed).
 
+    With a node's `relay` (jobgen.train.node_relay), only the node's local rank 0 polls the shared
+    folder once the target is not found at the first look; the node's other ranks learn the end of
+    its wait from it.
+
     Correct without locks that span nodes (NFS local_lock, BeeGFS, Lustre localflock or no flock):
     each build has its own temporary path, nothing another process may still write is removed, a
     complete target is never removed or replaced, and the first rename wins."""
+    if relay is not None and not relay.leader and not preparer:
+        if is_complete(target):
+            return "found"
+        relay.wait(poll_interval, waiting)
+        return "waited"
+    try:
+        outcome = _prepare_or_wait(target, build, preparer, waiting)
+    except UserError as error:
+        if relay is not None and relay.leader:
+            relay.publish(FAILED, str(error))
+        raise
+    if relay is not None and relay.leader:
+        relay.publish(OK)
+    return outcome
+
+
+def _prepare_or_wait(target: str, build: Callable[[str], None], preparer: bool,
+                     waiting: Optional[Callable[[float], None]]) -> str:
     failed = _Failure(target + ".failed")
     waited_since = time.monotonic()
     said = 0.0
@@ -571,7 +596,7 @@ class StoredDataset(TokenDataset):
                 handle.flush()
                 os.fsync(handle.fileno())
 
-        prepare_once(target, build, preparer)
+        prepare_once(target, build, preparer, relay=NodeRelay.for_target(target))
         with np.load(target) as saved:
             flat, bounds = saved["samples"].tolist(), saved["bounds"].tolist()
         return [flat[bounds[r]:bounds[r + 1]] for r in range(len(bounds) - 1)]
@@ -741,7 +766,7 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
         chat = ChatTokenizer(tokenizer(), training.max_length, training.chat_template, training.model)
         write_store(temp, chunks, chat, inputs, processes, progress, count_records(training.data), held_split(training))
 
-    outcome = prepare_once(target, build, preparer, waiting)
+    outcome = prepare_once(target, build, preparer, waiting, NodeRelay.for_target(target))
     return StoredDataset(target), outcome
 
 
