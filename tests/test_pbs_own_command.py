@@ -8,7 +8,6 @@ and where the data stands; the ranks, backend and data order are the same)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -19,86 +18,20 @@ import pytest
 import yaml
 
 from tests.cluster.pbs_servers import PbsServer
-from tests.test_pbs_servers import finished, jobgen_as, logs, status, submit, tiny, wait_for  # noqa: F401 - tiny is a fixture
-from tests.test_slurm_own_command import FINETUNE
+from tests.test_pbs_servers import finished, logs, status, submit, tiny, wait_for  # noqa: F401 - tiny is a fixture
+from tests.own_scripts import SCRIPTS, command, logged, write_script
 
 MAX_STEPS = 12
 
-# A plain DDP training that handles SIGTERM itself: at each step's end the ranks agree on a stop
-# (one all-reduce: the signal reaches them at different moments), rank 0 saves model, optimizer
-# and step into checkpoint-N, COMPLETE last, and every rank exits 0. A step's batch is drawn from
-# (step, rank), so a resumed run sees the batches an uninterrupted one would.
-PLAIN_DDP = r'''import json, os, signal, sys, time
-
-import torch
-import torch.distributed as dist
-
-stop = []
-signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
-dist.init_process_group("gloo")
-rank, world, out = dist.get_rank(), dist.get_world_size(), sys.argv[1]
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-ddp = torch.nn.parallel.DistributedDataParallel(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-start = 0
-if "--resume" in sys.argv:
-    state = torch.load(os.path.join(sys.argv[sys.argv.index("--resume") + 1], "state.pt"))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    start = state["step"]
-for step in range(start + 1, 13):
-    batch = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 16, generator=batch)
-    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    if rank == 0:
-        with open(os.path.join(out, "steps.jsonl"), "a") as log:
-            log.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
-    time.sleep(float(os.environ.get("STEP_DELAY", "0")))
-    asked = torch.tensor([1 if stop else 0])
-    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    if asked.item():
-        if rank == 0:
-            folder = os.path.join(out, f"checkpoint-{step}")
-            os.makedirs(folder)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                       os.path.join(folder, "state.pt"))
-            open(os.path.join(folder, "COMPLETE"), "w").close()
-            print(f"rank 0: SIGTERM: saved checkpoint-{step}", flush=True)
-        dist.barrier()
-        break
-dist.destroy_process_group()
-'''
-SCRIPTS = {
-    "hf-trainer": (FINETUNE, {"resume_argument": "--resume_from_checkpoint {checkpoint}"}),
-    "plain-ddp": (PLAIN_DDP, {"resume_argument": "--resume {checkpoint}", "checkpoint_complete_file": "COMPLETE"}),
-}
-
 
 def own_job(name: str, script: str, tiny: Path, setup: list[str], step_delay: float) -> dict:
-    command = ["python", "train.py", str(tiny), "out"] if script == "hf-trainer" else ["python", "train.py", "out"]
     return {
         "name": f"jobgen-test-{name}",
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
-        "launch": {"procs_per_node": 1, "command": command, "checkpoints": "out/checkpoint-*", **SCRIPTS[script][1]},
+        "launch": {"procs_per_node": 1, "command": command(script, tiny), "checkpoints": "out/checkpoint-*", **SCRIPTS[script][1]},
         "environment": {"setup": setup, "variables": {"STEP_DELAY": step_delay}},
         "requeue": {"max_restarts": 3, "warning_seconds": 30},
     }
-
-
-def logged(folder: Path) -> list[dict]:
-    path = folder / "out" / "steps.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def write_script(folder: Path, script: str) -> None:
-    (folder / "train.py").write_text(SCRIPTS[script][0])
-    (folder / "out").mkdir()
 
 
 def reference_run(folder: Path, script: str, tiny: Path) -> list[dict]:

@@ -1,0 +1,119 @@
+"""Training scripts of a user's own, for the tests that run them as launch.command on a real
+scheduler (tests/test_slurm_own_command.py, tests/test_pbs_own_command.py): each writes one line
+per trained step, {"step", "loss"}, to OUT/steps.jsonl on rank 0, and sleeps STEP_DELAY s a step
+so that a test can stop it mid-run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# A Hugging Face Trainer on the tiny model with JobgenCallback: python train.py TINY OUT.
+FINETUNE = r'''import json, os, sys, time
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+from jobgen.train.hf import JobgenCallback
+
+tiny, out = sys.argv[1], sys.argv[2]
+resume = sys.argv[sys.argv.index("--resume_from_checkpoint") + 1] if "--resume_from_checkpoint" in sys.argv else None
+tokenizer = AutoTokenizer.from_pretrained(f"{tiny}/model")
+if tokenizer.pad_token is None:
+    tokenizer.pad_token = tokenizer.eos_token
+texts = [" ".join(turn["value"] for turn in record["conversations"]) for record in json.load(open(f"{tiny}/data.json"))]
+encoded = tokenizer(texts, truncation=True, max_length=32, padding="max_length")
+dataset = [{"input_ids": ids, "attention_mask": mask, "labels": ids}
+           for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+
+
+class SlowAndLogged(TrainerCallback):
+    """Slows each step (so the test can preempt mid-run) and logs each step's loss once, on rank 0."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(float(os.environ.get("STEP_DELAY", "0")))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            with open(f"{out}/steps.jsonl", "a") as log:
+                log.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+
+args = TrainingArguments(output_dir=out, max_steps=12, per_device_train_batch_size=2, learning_rate=1e-3,
+                         logging_steps=1, save_steps=100, report_to=[], use_cpu=True, seed=1,
+                         dataloader_num_workers=0, **json.loads(os.environ.get("EXTRA_ARGS", "{}")))
+model = AutoModelForCausalLM.from_pretrained(f"{tiny}/model")
+trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[JobgenCallback(), SlowAndLogged()])
+trainer.train(resume_from_checkpoint=resume)
+'''
+
+
+# A plain DDP training that handles SIGTERM itself: at each step's end the ranks agree on a stop
+# (one all-reduce: the signal reaches them at different moments), rank 0 saves model, optimizer
+# and step into checkpoint-N, COMPLETE last, and every rank exits 0. A step's batch is drawn from
+# (step, rank), so a resumed run sees the batches an uninterrupted one would.
+PLAIN_DDP = r'''import json, os, signal, sys, time
+
+import torch
+import torch.distributed as dist
+
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
+dist.init_process_group("gloo")
+rank, world, out = dist.get_rank(), dist.get_world_size(), sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+start = 0
+if "--resume" in sys.argv:
+    state = torch.load(os.path.join(sys.argv[sys.argv.index("--resume") + 1], "state.pt"))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    start = state["step"]
+for step in range(start + 1, 13):
+    batch = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=batch)
+    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    if rank == 0:
+        with open(os.path.join(out, "steps.jsonl"), "a") as log:
+            log.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
+    time.sleep(float(os.environ.get("STEP_DELAY", "0")))
+    asked = torch.tensor([1 if stop else 0])
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    if asked.item():
+        if rank == 0:
+            folder = os.path.join(out, f"checkpoint-{step}")
+            os.makedirs(folder)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                       os.path.join(folder, "state.pt"))
+            open(os.path.join(folder, "COMPLETE"), "w").close()
+            print(f"rank 0: SIGTERM: saved checkpoint-{step}", flush=True)
+        dist.barrier()
+        break
+dist.destroy_process_group()
+'''
+# What each script needs in launch besides command and checkpoints (out/checkpoint-*).
+SCRIPTS = {
+    "hf-trainer": (FINETUNE, {"resume_argument": "--resume_from_checkpoint {checkpoint}"}),
+    "plain-ddp": (PLAIN_DDP, {"resume_argument": "--resume {checkpoint}", "checkpoint_complete_file": "COMPLETE"}),
+}
+
+
+def command(script: str, tiny: Path) -> list[str]:
+    return ["python", "train.py", str(tiny), "out"] if script == "hf-trainer" else ["python", "train.py", "out"]
+
+
+def write_script(folder: Path, script: str) -> None:
+    (folder / "train.py").write_text(SCRIPTS[script][0])
+    (folder / "out").mkdir()
+
+
+def logged(folder: Path) -> list[dict]:
+    """The steps the script logged in FOLDER/out, in order."""
+    path = folder / "out" / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
