@@ -77,19 +77,24 @@ def gloo_socket_ifname(socket_ifname: Optional[str]) -> Optional[str]:
     return socket_ifname.removeprefix("=")
 
 
+def field_settings(launch: Any) -> list[tuple[str, str, str, str]]:
+    """The variables launch's own fields set, gloo's interface last: (variable, value, field, reason)."""
+    found = [(name, value, f"launch.{field}", reason) for field, (name, reason) in LAUNCH_FIELDS.items()
+             if (value := getattr(launch, field)) is not None]
+    gloo = gloo_socket_ifname(launch.socket_ifname)
+    if gloo is not None:
+        found.append(("GLOO_SOCKET_IFNAME", gloo, "launch.socket_ifname", GLOO_REASON))
+    return found
+
+
 def launch_settings(launch: Any) -> dict[str, tuple[str, str]]:
     """What the job's launch section sets: variable -> (value, the field that sets it)."""
     settings: dict[str, tuple[str, str]] = {}
     for name, variable in NETWORK_PRESETS[launch.network].items():
         if not variable.default:
             settings[name] = (variable.value, f"launch.network {launch.network}")
-    for field, (name, _) in LAUNCH_FIELDS.items():
-        value = getattr(launch, field)
-        if value is not None:
-            settings[name] = (value, f"launch.{field}")
-    gloo = gloo_socket_ifname(launch.socket_ifname)
-    if gloo is not None:
-        settings["GLOO_SOCKET_IFNAME"] = (gloo, "launch.socket_ifname")
+    for name, value, field, _ in field_settings(launch):
+        settings[name] = (value, field)
     return settings
 
 
@@ -100,18 +105,15 @@ def nccl_exports(job: Any) -> dict[str, tuple[str, str]]:
     default it replaces (the Job refuses a value that contradicts the rest)."""
     launch = job.launch
     exports: dict[str, tuple[str, str]] = {}
-    if job.resources.gpus_per_node > 0:
+    gpus = job.resources.gpus_per_node > 0
+    if gpus:
         exports.update({
             name: (variable.value, f"launch.network {launch.network}: {variable.reason}")
             for name, variable in NETWORK_PRESETS[launch.network].items()
         })
-        for field, (name, reason) in LAUNCH_FIELDS.items():
-            value = getattr(launch, field)
-            if value is not None:
-                exports[name] = (value, f"launch.{field}: {reason}")
-    gloo = gloo_socket_ifname(launch.socket_ifname)
-    if gloo is not None:
-        exports["GLOO_SOCKET_IFNAME"] = (gloo, f"launch.socket_ifname: {GLOO_REASON}")
+    for name, value, field, reason in field_settings(launch):
+        if gpus or name == "GLOO_SOCKET_IFNAME":  # gloo's interface matters without GPUs too
+            exports[name] = (value, f"{field}: {reason}")
     return {name: item for name, item in exports.items() if name not in job.environment.variables}
 
 
