@@ -196,17 +196,6 @@ def exit_if_hung(supervisor) -> None:
         sys.exit(EXIT_HUNG)
 
 
-def node_rank_of(argv: list[str]) -> int:
-    """torchrun's --node-rank (or --node_rank) among its arguments; 0 when not given, as torchrun."""
-    for index, word in enumerate(argv):
-        for flag in ("--node-rank", "--node_rank"):
-            if word.startswith(flag + "="):
-                return int(word.split("=", 1)[1])
-            if word == flag and index + 1 < len(argv):
-                return int(argv[index + 1])
-    return 0
-
-
 def export_tracker_environment() -> None:
     """The job's own program (launch.report_to, as JOBGEN_REPORT_TO): the trackers' kept run ids and
     settings into the environment the ranks inherit (jobgen.train.trackers). Here, not in the batch
@@ -219,7 +208,9 @@ def export_tracker_environment() -> None:
     from jobgen.train.trackers import own_program_environment
 
     try:
-        os.environ.update(own_program_environment(trackers, os.environ["JOBGEN_RUN_DIR"], node_rank_of(sys.argv) == 0))
+        # NODE_RANK: the node setup exports it (the same value node.sh gives torchrun's --node-rank).
+        keeper = os.environ.get("NODE_RANK", "0") == "0"
+        os.environ.update(own_program_environment(trackers, os.environ["JOBGEN_RUN_DIR"], keeper))
     except UserError as error:
         sys.stderr.write(f"jobgen-torchrun: error: {error}\n")
         sys.exit(EXIT_USER_ERROR)
