@@ -51,14 +51,21 @@ def start(job: Path, nproc: int = 2, launcher_args: tuple = (), **env: str) -> s
     )
 
 
-def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180, log: Path = None) -> None:
+    """Until the trainer has logged `step`. Its output is in proc.stdout (a pipe), or in `log` for a
+    process whose output goes to a file; either way a failure shows it."""
+    def output() -> str:
+        return log.read_text(errors="replace")[-20000:] if log else proc.stdout.read()
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
             return
         if proc.poll() is not None:
-            raise AssertionError(f"trainer ended before step {step}:\n{proc.stdout.read()}")
+            raise AssertionError(f"trainer ended before step {step}:\n{output()}")
         time.sleep(0.1)
+    if log:
+        raise AssertionError(f"step {step} not reached in {timeout}s; the trainer's output so far:\n{output()}")
     raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
