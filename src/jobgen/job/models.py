@@ -99,6 +99,12 @@ class Resources(_Strict):
         description="a node count, or on Slurm a range MIN-MAX (\"2-4\"): the job takes what the partition can "
         "give in the range, and each restart may land on another count (the global batch stays the job's)",
     )
+    spare_nodes: int = Field(
+        0, ge=0, le=64,
+        description="nodes allocated beyond resources.nodes and kept idle: when a node hangs or fails, the job "
+        "restarts at once inside its allocation with a spare in the bad node's place, instead of waiting in the "
+        "queue for a continuation (Slurm)",
+    )
     gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
     cpus_per_node: Optional[int] = Field(
         None, ge=1, le=4096, description="defaults to one per process (launch.procs_per_node); more for data loader workers"
@@ -129,6 +135,11 @@ class Resources(_Strict):
         if not 1 <= low <= high <= 4096:
             raise ValueError("node counts go from 1 to 4096, a range's smaller one first")
         return low if low == high else f"{low}-{high}"
+
+    @property
+    def allocated_nodes(self) -> int:
+        """Nodes asked of the scheduler: resources.nodes (its largest, for a range) and the spares."""
+        return self.max_nodes + self.spare_nodes
 
     @property
     def min_nodes(self) -> int:
@@ -801,6 +812,14 @@ class Job(_Strict):
                 f"launch.procs_per_node ({procs}) must equal resources.gpus_per_node ({gpus}): "
                 "one process per GPU; leave procs_per_node unset"
             )
+        if self.resources.spare_nodes and self.resources.min_nodes != self.resources.max_nodes:
+            raise ValueError(
+                f"resources.spare_nodes: a job with spare nodes trains on one node count, not a range "
+                f"({self.resources.nodes}); give resources.nodes one count, such as {self.resources.min_nodes}"
+            )
+        if self.resources.spare_nodes and not self.requeue.enabled:
+            raise ValueError("resources.spare_nodes: a spare takes a failed node's place when the job restarts, which "
+                             "requeue.enabled: false turns off; enable requeue or drop spare_nodes")
         twice = nccl.conflict(self.launch, self.environment.variables)
         if twice:
             raise ValueError(twice)

@@ -32,6 +32,9 @@ HEALTH_CACHE = "health-cache"  # per node: content hashes of the data file and m
 HEARTBEATS = "heartbeat"  # per node: its ranks' step and phase, published by the node's hang supervisor
 HANG = "hang.json"  # the hang supervisor's finding: which ranks and nodes stopped first, after how long
 EXCLUDED_NODES = "excluded-nodes"  # nodes a requeue excluded after a failure attributed to them, one a line
+# The job id, once per restart inside its allocation (resources.spare_nodes): a job the scheduler
+# starts again counts its restarts from the scheduler's count plus these.
+IN_ALLOCATION_RESTARTS = "in-allocation-restarts"
 # One line per segment in a row that ended without a newer complete checkpoint ("STEP OUTCOME NODES..."):
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
@@ -116,6 +119,7 @@ class _TemplateFiles:
     health = HEALTH
     hang = HANG
     excluded_nodes = EXCLUDED_NODES
+    in_allocation_restarts = IN_ALLOCATION_RESTARTS
     slurm_continuation = SLURM_CONTINUATION
     node_exits = NODE_EXITS
     heartbeats = HEARTBEATS

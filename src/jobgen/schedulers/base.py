@@ -65,6 +65,7 @@ class Scheduler:
         return [Path(sys.modules[type(self).__module__].__file__).resolve().parent]
 
     node_ranges = False  # whether resources.nodes may be MIN-MAX, the allocation deciding the count
+    spare_nodes = False  # whether resources.spare_nodes may be set: its launch may run on a subset of the allocation
 
     def template_variables(self, job: Job) -> dict[str, Any]:
         """What the templates may read about the scheduler, beyond the job itself."""
@@ -83,6 +84,11 @@ class Scheduler:
             raise JobgenError(
                 f"resources.nodes: {self.name} cannot take a range ({job.resources.nodes}); give one count, "
                 f"such as {job.resources.min_nodes} (ranges are Slurm's --nodes=MIN-MAX)"
+            )
+        if job.resources.spare_nodes and not self.spare_nodes:
+            raise JobgenError(
+                f"resources.spare_nodes: {self.name} jobs cannot keep spare nodes yet (Slurm's can); drop "
+                f"spare_nodes, and a failed node's job continues in a new job without it, as without spares"
             )
         options = self.options(job) if array is None else self.array_options(self.options(job), *array)
         own = [f"{self.directive_prefix} {option}" for option in options]

@@ -24,6 +24,7 @@ class Slurm(Scheduler):
     launchers = ("srun",)
     directive_prefix = "#SBATCH"
     node_ranges = True
+    spare_nodes = True
     job_environment = JobEnvironment(
         job_id="SLURM_JOB_ID", restart_count="SLURM_RESTART_COUNT", submit_dir="SLURM_SUBMIT_DIR", nodes="SLURM_JOB_NODELIST",
         array_task_id="SLURM_ARRAY_TASK_ID", array_job_id="SLURM_ARRAY_JOB_ID",
@@ -63,8 +64,9 @@ class Slurm(Scheduler):
         hours, rest = divmod(rest, 3600)
         options = [
             f"--job-name={self.job_name(job)}",
-            # MIN-MAX where a range: the job script counts the nodes it got (job.sh.j2).
-            f"--nodes={res.nodes}",
+            # MIN-MAX where a range: the job script counts the nodes it got (job.sh.j2). With spare
+            # nodes, those too: the script trains on resources.nodes of them.
+            f"--nodes={res.allocated_nodes if res.spare_nodes else res.nodes}",
             # One task per node: srun starts torchrun once per node, torchrun starts the ranks.
             "--ntasks-per-node=1",
         ]

@@ -36,7 +36,8 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "environment": ("the job's secrets and exported variables (NCCL's, environment.variables), at the top: "
                         "they run before the hosts are known", frozenset({"job", "nccl", "nccl_reasons"})),
         "hosts": ("filled by the scheduler's template: job id, restart count, workdir, JOBGEN_HOSTS, and "
-                  "jobgen_master_addr where the first host's name is not what the other nodes reach", frozenset()),
+                  "jobgen_master_addr where the first host's name is not what the other nodes reach (with a function "
+                  "jobgen_address_of HOST for a master that spare nodes change)", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),
         "timers": ("filled by the scheduler's template: warnings before the time limit", frozenset()),

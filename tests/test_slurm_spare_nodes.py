@@ -1,0 +1,82 @@
+"""Spare nodes on the real Slurm test cluster (tests/cluster): `resources.spare_nodes: 1` holds a
+third node beside the job's two. Node 1's rank is stopped with SIGSTOP at a random step (a real
+hang: node 0's rank blocks in its collective). The job ends that segment as `hung`, and restarts at
+once inside its own allocation on node 0 and the spare: no new job, no wait in the queue. It
+finishes with adapter weights bitwise equal to an uninterrupted run, and prints the time from the
+stop to the first new step (BENCHMARKS.md), against which test_slurm_health_hang.py prints that of
+today's continuation without spares."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from jobgen.train.heartbeat import detection_delay
+from tests.helpers import jobgen
+from tests.test_slurm_health_hang import hostnames, rank_pids
+from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
+    MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
+    wait_for, wait_for_step, wait_until_done,
+)
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+
+def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_finishes_exactly(
+        tmp_path: Path, tiny: Path, reference: dict) -> None:
+    config = job_file(tmp_path / "job", tiny, "spare", resources={"spare_nodes": 1})
+    job_id = submit("jobgen-submit", config, step_delay=2)
+    run_dir = config.parent / "runs" / "jobgen-test-spare"
+    stop_at = random.randint(3, 7)
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
+    allocated = hostnames(job_fields(job_id)["NodeList"])
+    assert len(allocated) == 3, allocated
+    wait_for_step(run_dir, stop_at)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    stopped = rank_pids(run_dir, 1)
+    stopped_at = time.time()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    hang = json.loads((run_dir / "hang.json").read_text())
+    detected = hang["at"] - stopped_at
+    assert hang["nodes"] == allocated[1], hang
+    assert detected <= hang["bound_seconds"] + detection_delay(2), (detected, hang)
+    assert wait_until_done(job_id, timeout=600) == "COMPLETED"
+    # One job: the restart ran inside it, on node 0 and the spare, node ranks in allocation order.
+    first, second = segments(run_dir)
+    assert (first["job_id"], first["restart"], first["outcome"]) == (job_id, 0, "hung"), first
+    assert (second["job_id"], second["restart"], second["outcome"]) == (job_id, 1, "completed"), second
+    assert second["first_step"] >= stop_at - 4 and second["first_step"] % 4 == 0  # its last periodic checkpoint
+    assert (run_dir / "excluded-nodes").read_text().split() == [allocated[1]]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: hung: {hang['message']}" in log
+    assert (f"jobgen: restarting inside this allocation without node(s) {allocated[1]} (restart 1 of at most 3; "
+            "spare(s) left: none)") in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {allocated[0]} {allocated[2]};" in log, log
+    assert "submitted without node(s)" not in log and job_fields(job_id)["Restarts"] == "0"
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    status = json.loads(jobgen("status", str(run_dir), "--json").stdout)
+    assert [s["outcome"] for s in status["segments"]] == ["hung", "completed"]
+    assert [s["job_id"] for s in status["submissions"]] == [job_id]
+    assert status["excluded_nodes"] == [allocated[1]]
+    text = jobgen("status", str(run_dir)).stdout
+    assert "hung" in text and "completed" in text, text
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    print(f"spare nodes: hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
+          f"first new step {first_new_step - stopped_at:.0f} s after the stop, inside the allocation")

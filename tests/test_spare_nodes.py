@@ -1,0 +1,87 @@
+"""`resources.spare_nodes: K`: the job asks for nodes + K and trains on `nodes` of them; what the
+script does with a spare after a hang is proven on the real cluster (test_slurm_spare_nodes.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import jobgen
+
+
+def _job(tmp_path: Path, **resources) -> Path:
+    job = {
+        "name": "spares",
+        "resources": {"nodes": 2, "gpus_per_node": 0, **resources},
+        "launch": {"procs_per_node": 2},
+        "training": {"model": "m", "data": "d", "per_device_batch_size": 2},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _render(path: Path) -> str:
+    result = jobgen("render", "-s", "slurm", str(path))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_job_with_spares_asks_slurm_for_them_and_starts_its_step_on_the_trained_nodes_only(tmp_path):
+    script = _render(_job(tmp_path, spare_nodes=2))
+    assert "#SBATCH --nodes=4\n" in script
+    assert 'srun --nodes="$NNODES" --nodelist="$(IFS=,; echo "${JOBGEN_HOSTS[*]}")" --ntasks="$NNODES"' in script
+    plain = _render(_job(tmp_path))
+    assert "#SBATCH --nodes=2\n" in plain and "--nodelist" not in plain and "jobgen_choose_hosts" not in plain
+
+
+def _choose(script: str, allocated: list[str], excluded: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    """The script's own host choice, run on an allocation and an excluded-nodes file."""
+    body = script[script.index("jobgen_choose_hosts() {"):]
+    body = body[: body.index("\n}\n") + 3]
+    (run_dir / "excluded-nodes").write_text("".join(f"{node}\n" for node in excluded))
+    program = (f"JOBGEN_RUN_DIR={run_dir}; jobgen_allocated=({' '.join(allocated)}); JOBGEN_HOSTS=(before)\n{body}"
+               'jobgen_choose_hosts; echo "$?|${JOBGEN_HOSTS[*]}|${jobgen_spares[*]}"')
+    return subprocess.run(["bash", "-c", program], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("excluded,trained,spares", [
+    ([], "n1 n2", "n3 n4"),
+    (["n2"], "n1 n3", "n4"),  # a spare in the bad node's place, the node ranks in allocation order
+    (["n1", "n3"], "n2 n4", ""),
+])
+def test_the_trained_nodes_are_the_first_not_excluded_and_the_rest_wait(tmp_path, excluded, trained, spares):
+    chosen = _choose(_render(_job(tmp_path, spare_nodes=2)), ["n1", "n2", "n3", "n4"], excluded, tmp_path)
+    assert chosen.stdout.strip() == f"0|{trained}|{spares}", chosen.stderr
+
+
+def test_with_no_spare_left_the_choice_fails_and_the_hosts_stay_as_they_were(tmp_path):
+    chosen = _choose(_render(_job(tmp_path, spare_nodes=1)), ["n1", "n2", "n3"], ["n1", "n2"], tmp_path)
+    assert chosen.stdout.strip() == "1|before|", chosen.stderr
+
+
+@pytest.mark.parametrize("resources,requeue,message", [
+    ({"nodes": "2-3", "spare_nodes": 1}, {}, "resources.spare_nodes: a job with spare nodes trains on one node count, "
+     "not a range (2-3); give resources.nodes one count, such as 2"),
+    ({"spare_nodes": 1}, {"enabled": False}, "resources.spare_nodes: a spare takes a failed node's place when the job "
+     "restarts, which requeue.enabled: false turns off; enable requeue or drop spare_nodes"),
+    ({"spare_nodes": -1}, {}, "resources.spare_nodes"),
+])
+def test_spares_that_cannot_work_are_refused_naming_the_field(tmp_path, resources, requeue, message):
+    path = _job(tmp_path, **resources)
+    job = yaml.safe_load(path.read_text())
+    job["requeue"] = requeue
+    path.write_text(yaml.safe_dump(job))
+    result = jobgen("render", "-s", "slurm", str(path))
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "torque"])
+def test_pbs_and_torque_refuse_spares_for_now(tmp_path, scheduler):
+    result = jobgen("render", "-s", scheduler, str(_job(tmp_path, spare_nodes=1)))
+    assert result.returncode == 2
+    assert (f"resources.spare_nodes: {scheduler} jobs cannot keep spare nodes yet (Slurm's can); drop spare_nodes, "
+            "and a failed node's job continues in a new job without it, as without spares") in result.stderr
