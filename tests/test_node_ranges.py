@@ -29,6 +29,8 @@ def _job(tmp_path: Path, nodes, **training) -> Path:
 def test_a_slurm_node_range_asks_for_the_range_and_takes_any_count_in_it(tmp_path):
     script = render(resolve_job(_job(tmp_path, "2-4", global_batch_size=48)), "slurm")
     assert "#SBATCH --nodes=2-4\n" in script
+    # Not --ntasks-per-node=1: with it Slurm counts 2 tasks and never gives more than 2 nodes.
+    assert "--ntasks-per-node" not in script.split("\n#\n")[0]
     assert "world size 4, 6, 8" in script
     # The allocation decides the node count: any one in the range runs, one outside it does not.
     assert 'if (( NNODES < 2 || NNODES > 4 )); then' in script

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobgen.train.heartbeat import detection_delay
 from tests.helpers import jobgen
@@ -80,3 +81,66 @@ def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"spare nodes: hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
           f"first new step {first_new_step - stopped_at:.0f} s after the stop, inside the allocation")
+
+
+def test_a_node_range_job_goes_on_without_a_hung_node_inside_its_allocation_with_the_same_losses(tmp_path: Path, tiny: Path) -> None:
+    """`resources.nodes: "2-3"` given 3 nodes, without spares: node 1 is stopped, and the job
+    restarts at once on the other 2 of its allocation, the global batch of 12 kept. Its losses are
+    those of an uninterrupted 2-node run of the same job, run beside it on the cluster's two other
+    nodes (partition bind): resizing's guarantee, the same samples make each step, split over
+    other ranks."""
+    from tests.test_slurm_resize import job_file as resize_job_file, losses
+
+    def job(name: str, nodes, partition: str = "debug") -> Path:
+        config = resize_job_file(tmp_path / name, tiny, name, nodes=nodes)
+        fields = yaml.safe_load(config.read_text())
+        fields["resources"]["partition"] = partition
+        fields["training"].update(max_steps=MAX_STEPS, save_interval=4)
+        fields["requeue"] = {"max_restarts": 3, "warning_seconds": 30}
+        config.write_text(yaml.safe_dump(fields))
+        return config
+
+    config, reference_config = job("shrink", "2-3"), job("shrink-reference", 2, partition="bind")
+    job_id = submit("jobgen-submit", config, step_delay=2)
+    reference_id = submit("jobgen-submit", reference_config, step_delay=0)
+    run_dir = config.parent / "runs" / "jobgen-test-shrink"
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
+    allocated = hostnames(job_fields(job_id)["NodeList"])
+    assert len(allocated) == 3, allocated  # what the partition has free, up to 3
+    stop_at = random.randint(5, 7)
+    wait_for_step(run_dir, stop_at)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    stopped = rank_pids(run_dir, 1)
+    stopped_at = time.time()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert json.loads((run_dir / "hang.json").read_text())["nodes"] == allocated[1]
+    assert wait_until_done(job_id, timeout=600) == "COMPLETED"
+    assert wait_until_done(reference_id, timeout=600) == "COMPLETED"
+    first, second = segments(run_dir)
+    assert (first["job_id"], first["outcome"], second["job_id"], second["restart"], second["outcome"]) == (
+        job_id, "hung", job_id, 1, "completed"), (first, second)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: restarting inside this allocation without node(s) {allocated[1]} on 2 nodes" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {allocated[0]} {allocated[2]};" in log, log
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
+    assert "global batch 12 = 3 ranks x micro-batch 2 x 2 accumulation" in logs
+    assert "global batch 12 = 2 ranks x micro-batch 3 x 2 accumulation" in logs  # after the restart: the same batch
+    expected = losses(reference_config.parent / "runs" / "jobgen-test-shrink-reference")
+    got = losses(run_dir)  # a step trained twice (before the hang and after it) counts by its last line
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-6, abs=0), step
+    worst = max(abs(got[step] - expected[step]) for step in got)
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    print(f"node range 2-3: hang at step ~{stop_at}; first new step {first_new_step - stopped_at:.0f} s after the stop, "
+          f"on 2 nodes inside the allocation; largest loss difference to the 2-node run {worst:.2e}")

@@ -1,5 +1,6 @@
-"""`resources.spare_nodes: K`: the job asks for nodes + K and trains on `nodes` of them; what the
-script does with a spare after a hang is proven on the real cluster (test_slurm_spare_nodes.py)."""
+"""`resources.spare_nodes: K`: the job asks for nodes + K and trains on `nodes` of them; a node
+range (`nodes: "2-4"`) goes on with fewer nodes of its allocation. What the script does after a
+hang is proven on the real cluster (test_slurm_spare_nodes.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,31 @@ def _choose(script: str, allocated: list[str], excluded: list[str], run_dir: Pat
 def test_the_trained_nodes_are_the_first_not_excluded_and_the_rest_wait(tmp_path, excluded, trained, spares):
     chosen = _choose(_render(_job(tmp_path, spare_nodes=2)), ["n1", "n2", "n3", "n4"], excluded, tmp_path)
     assert chosen.stdout.strip() == f"0|{trained}|{spares}", chosen.stderr
+
+
+@pytest.mark.parametrize("excluded,outcome", [
+    (["n2"], "0|n1 n3 n4|"),  # a node range shrinks within its allocation, down to its smallest count
+    (["n1", "n4"], "0|n2 n3|"),
+    (["n1", "n2", "n3"], "1|before|"),
+])
+def test_a_node_range_goes_on_with_the_healthy_nodes_while_they_are_enough(tmp_path, excluded, outcome):
+    path = _job(tmp_path, nodes="2-4")
+    job = yaml.safe_load(path.read_text())
+    job["training"]["global_batch_size"] = 48
+    path.write_text(yaml.safe_dump(job))
+    chosen = _choose(_render(path), ["n1", "n2", "n3", "n4"], excluded, tmp_path)
+    assert chosen.stdout.strip() == outcome, chosen.stderr
+
+
+def test_without_requeue_a_node_range_restarts_nowhere_and_its_script_is_plain(tmp_path):
+    path = _job(tmp_path, nodes="2-4")
+    job = yaml.safe_load(path.read_text())
+    job["training"]["global_batch_size"] = 48
+    job["requeue"] = {"enabled": False}
+    path.write_text(yaml.safe_dump(job))
+    script = _render(path)
+    assert "jobgen_choose_hosts" not in script and "--nodelist" not in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
 def test_with_no_spare_left_the_choice_fails_and_the_hosts_stay_as_they_were(tmp_path):

@@ -848,6 +848,13 @@ class Job(_Strict):
 
     # Derived values, computed here and nowhere else.
     @property
+    def restarts_in_allocation(self) -> bool:
+        """Whether a hung or failed node's segment is followed inside the same allocation, on its
+        healthy nodes (job.sh.j2): with spare nodes to take its place, or a node range to shrink in."""
+        res = self.resources
+        return bool(res.spare_nodes or res.min_nodes != res.max_nodes) and self.requeue.enabled
+
+    @property
     def procs_per_node(self) -> int:
         return self.launch.procs_per_node or self.resources.gpus_per_node
 

@@ -82,12 +82,13 @@ def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             segments.append({
                 "job_id": event["job_id"], "restart": event["restart"], "started_at": event["started_at"],
                 "ended_at": None, "first_step": None, "last_step": None, "outcome": "running or lost",
-                "train_seconds": None,
+                "train_seconds": None, "nodes": [],
             })
         elif event.get("event") == "end" and segments and segments[-1]["ended_at"] is None:
             segments[-1].update({
                 "ended_at": event["at"], "first_step": event.get("first_step"), "last_step": event.get("last_step"),
                 "outcome": event.get("outcome") or "unknown", "train_seconds": event.get("train_seconds"),
+                "nodes": str(event.get("nodes") or "").split(),  # those its failure was put down to
             })
     return segments
 
@@ -216,7 +217,8 @@ def format_table(report: dict[str, Any]) -> str:
         rows = [
             (
                 s["job_id"], str(s["restart"]), s["started_at"], s["ended_at"] or "-",
-                "-" if s["last_step"] is None else f"{s['first_step']}->{s['last_step']}", s["outcome"],
+                "-" if s["last_step"] is None else f"{s['first_step']}->{s['last_step']}",
+                s["outcome"] + (f" ({' '.join(s['nodes'])})" if s.get("nodes") else ""),
                 "-" if s.get("startup_seconds") is None else f"{s['startup_seconds']:.0f} s",
                 *_health_cell(s),
             )

@@ -67,9 +67,12 @@ class Slurm(Scheduler):
             # MIN-MAX where a range: the job script counts the nodes it got (job.sh.j2). With spare
             # nodes, those too: the script trains on resources.nodes of them.
             f"--nodes={res.allocated_nodes if res.spare_nodes else res.nodes}",
-            # One task per node: srun starts torchrun once per node, torchrun starts the ranks.
-            "--ntasks-per-node=1",
         ]
+        # One task per node: srun starts torchrun once per node, torchrun starts the ranks. Not for a
+        # range: Slurm counts MIN x 1 tasks then, and never gives it more than MIN nodes (a job
+        # without it gets one task per node it is given; the srun step asks for one a node itself).
+        if res.min_nodes == res.max_nodes:
+            options.append("--ntasks-per-node=1")
         # Always given, as PBS gets ncpus and Torque ppn: without it a job holds one CPU per node.
         # The srun step asks for the same again (launchers.sh.j2).
         options.append(f"--cpus-per-task={job.cpus_per_node}")
