@@ -55,3 +55,21 @@ def pytest_configure(config) -> None:
     if config.getoption("dist", "no") == "loadgroup" and tuple(int(p) for p in pytest.__version__.split(".")[:2]) >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup cannot group tests on it; "
                                 "install the test extra's pytest (scripts/setup does)")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The seconds each unit took (setup, call and teardown of its tests, one after another on its
+    worker): the longest unit is the floor of the whole run's time, the one to split or speed up."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, duration = getattr(report, "nodeid", ""), getattr(report, "duration", None)
+            if "@" not in nodeid or duration is None or getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            unit = totals[nodeid.rsplit("@", 1)[1]]
+            unit[0] += duration
+            unit[1] += report.when == "call"
+    if totals:
+        terminalreporter.write_sep("=", "seconds by unit (the longest first)")
+        for unit, (seconds, tests) in sorted(totals.items(), key=lambda item: -item[1][0])[:8]:
+            terminalreporter.write_line(f"{seconds:8.0f} s  {tests:4d} tests  {unit}")
