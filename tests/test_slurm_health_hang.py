@@ -87,6 +87,25 @@ def rank_pids(run_dir: Path, node_rank: int) -> list[int]:
     return pids + children
 
 
+def hang_node(run_dir: Path, node_rank: int) -> float:
+    """Stops a node's ranks with SIGSTOP (a real hang: the other ranks block in their collective)
+    until the hang supervisor has written hang.json, then continues them (the supervisor kills
+    them: none is left stopped). Returns when they were stopped."""
+    stopped = rank_pids(run_dir, node_rank)
+    stopped_at = time.time()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return stopped_at
+
+
 def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
     config = job_file(tmp_path / "job", tiny, "hang")
     job_id = submit("jobgen-submit", config, step_delay=2)
@@ -97,18 +116,7 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     wait_for_step(run_dir, stop_at)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
     nodes = hostnames(job_fields(job_id)["NodeList"])
-    stopped = rank_pids(run_dir, 1)
-    stopped_at = time.time()
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
-    finally:
-        for pid in stopped:  # the supervisor continues and kills them; never leave one stopped
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    stopped_at = hang_node(run_dir, 1)
     hang = json.loads((run_dir / "hang.json").read_text())
     detected = hang["at"] - stopped_at
     assert hang["nodes"] == nodes[1], hang
@@ -161,18 +169,7 @@ def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_e
     wait_for(lambda: (run_dir / "output" / "debug-save-pause-write-rank1").exists(), "node 2 inside the save of step 8",
              timeout=300, every=0.2)
     nodes = hostnames(job_fields(job_id)["NodeList"])
-    stopped = rank_pids(run_dir, 1)
-    stopped_at = time.time()
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    stopped_at = hang_node(run_dir, 1)
     hang = json.loads((run_dir / "hang.json").read_text())
     detected = hang["at"] - stopped_at
     assert hang["phase"] == "saving" and hang["bound_seconds"] == 20 and hang["nodes"] == nodes[1], hang

@@ -9,10 +9,7 @@ today's continuation without spares."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import yaml
 
 from jobgen.train.heartbeat import detection_delay
 from tests.helpers import jobgen
-from tests.test_slurm_health_hang import hostnames, rank_pids
+from tests.test_slurm_health_hang import hang_node, hostnames
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
@@ -40,18 +37,7 @@ def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_
     assert len(allocated) == 3, allocated
     wait_for_step(run_dir, stop_at)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
-    stopped = rank_pids(run_dir, 1)
-    stopped_at = time.time()
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    stopped_at = hang_node(run_dir, 1)
     hang = json.loads((run_dir / "hang.json").read_text())
     detected = hang["at"] - stopped_at
     assert hang["nodes"] == allocated[1], hang
@@ -110,18 +96,7 @@ def test_a_node_range_job_goes_on_without_a_hung_node_inside_its_allocation_with
     stop_at = random.randint(5, 7)
     wait_for_step(run_dir, stop_at)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
-    stopped = rank_pids(run_dir, 1)
-    stopped_at = time.time()
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    stopped_at = hang_node(run_dir, 1)
     assert json.loads((run_dir / "hang.json").read_text())["nodes"] == allocated[1]
     assert wait_until_done(job_id, timeout=600) == "COMPLETED"
     assert wait_until_done(reference_id, timeout=600) == "COMPLETED"
