@@ -342,6 +342,32 @@ def test_openpbs_a_node_failure_continues_on_hosts_without_that_node_and_ends_ex
     assert_bitwise_equal(run_dir, reference)
 
 
+def test_openpbs_a_failed_node_is_replaced_by_a_spare_inside_the_job_and_it_ends_exactly(openpbs: PbsServer, tiny: Path, reference: dict) -> None:
+    """resources.spare_nodes: 1 holds a third vnode: node 1's failure (exit 75) is followed at once,
+    in the same job, by a segment on node 0 and the spare (pbsdsh -n by the spare's index in the
+    node file): no continuation is submitted."""
+    folder = openpbs.folder("spare")
+    job = lora_job(tiny, "spare", [*setup_lines(openpbs), BAD_NODE_ONCE], resources={"spare_nodes": 1})
+    job_id = submit(openpbs, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
+    run_dir = run_dir_of(folder, job)
+    fields = finished(openpbs, job_id)
+    assert fields["Exit_status"] == "0", logs(openpbs, folder, run_dir)
+    used = [part.split(":")[0].strip("(") for part in fields["exec_vnode"].split("+")]
+    assert len(set(used)) == 3, fields["exec_vnode"]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    first, bad, spare = log.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
+    assert f"jobgen: node failure: node(s) {bad} exited 75 (node failure)" in log, log
+    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 2 nodes (restart 1 of at most 5; spare(s) left: none)" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {first} {spare};" in log, log
+    assert "jobgen: continuation " not in log, log
+    report = status(openpbs, folder, str(run_dir))
+    assert [(s["job_id"], s["restart"], s["outcome"], s["nodes"]) for s in report["segments"]] == [
+        (job_id, 0, "node_failed", [bad]), (job_id, 1, "completed", [])], report["segments"]
+    assert [s["job_id"] for s in report["submissions"]] == [job_id]
+    assert report["excluded_nodes"] == [bad]
+    assert_bitwise_equal(run_dir, reference)
+
+
 def test_torque_a_job_that_cannot_be_placed_without_its_bad_node_says_so(torque: PbsServer) -> None:
     """The Torque server has two nodes: a 2-node job without one of them can never start."""
     folder = torque.folder("bad-node")

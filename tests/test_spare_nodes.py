@@ -105,9 +105,20 @@ def test_spares_that_cannot_work_are_refused_naming_the_field(tmp_path, resource
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("scheduler", ["pbs", "torque"])
-def test_pbs_and_torque_refuse_spares_for_now(tmp_path, scheduler):
+@pytest.mark.parametrize("scheduler,request_line", [("pbs", "#PBS -l select=3:ncpus=2:mpiprocs=1\n"),
+                                                     ("torque", "#PBS -l nodes=3:ppn=2\n")])
+def test_pbs_and_torque_ask_for_the_spares_and_start_each_node_on_its_host(tmp_path, scheduler, request_line):
     result = jobgen("render", "-s", scheduler, str(_job(tmp_path, spare_nodes=1)))
+    assert result.returncode == 0, result.stderr
+    assert request_line in result.stdout
+    # pbsdsh -n takes a host's index in the node file, which is not its rank once a spare trains.
+    by_index = 'pbsdsh -n "$(jobgen_allocation_index "${JOBGEN_HOSTS[rank]}")" --'
+    assert (by_index in result.stdout) == (scheduler == "pbs")
+    assert subprocess.run(["bash", "-n"], input=result.stdout, text=True).returncode == 0
+
+
+def test_a_local_run_refuses_spares(tmp_path):
+    result = jobgen("render", "-s", "local", str(_job(tmp_path, spare_nodes=1)))
     assert result.returncode == 2
-    assert (f"resources.spare_nodes: {scheduler} jobs cannot keep spare nodes yet (Slurm's can); drop spare_nodes, "
-            "and a failed node's job continues in a new job without it, as without spares") in result.stderr
+    assert ("resources.spare_nodes: local jobs cannot keep spare nodes (Slurm, PBS Pro and Torque jobs can); drop "
+            "spare_nodes to run it here") in result.stderr, result.stderr

@@ -103,7 +103,7 @@ class Resources(_Strict):
         0, ge=0, le=64,
         description="nodes allocated beyond resources.nodes and kept idle: when a node hangs or fails, the job "
         "restarts at once inside its allocation with a spare in the bad node's place, instead of waiting in the "
-        "queue for a continuation (Slurm)",
+        "queue for a continuation (Slurm, PBS Pro, Torque)",
     )
     gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
     cpus_per_node: Optional[int] = Field(

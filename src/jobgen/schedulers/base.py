@@ -87,8 +87,8 @@ class Scheduler:
             )
         if job.resources.spare_nodes and not self.spare_nodes:
             raise JobgenError(
-                f"resources.spare_nodes: {self.name} jobs cannot keep spare nodes yet (Slurm's can); drop "
-                f"spare_nodes, and a failed node's job continues in a new job without it, as without spares"
+                f"resources.spare_nodes: {self.name} jobs cannot keep spare nodes (Slurm, PBS Pro and Torque jobs "
+                f"can); drop spare_nodes to run it here"
             )
         options = self.options(job) if array is None else self.array_options(self.options(job), *array)
         own = [f"{self.directive_prefix} {option}" for option in options]

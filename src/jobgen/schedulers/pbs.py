@@ -32,6 +32,7 @@ class PbsPro(Scheduler):
     # How pbsdsh picks the node to start a task on: PBS Pro's takes its index in the node list
     # (-n INDEX), Torque's its host name (-h HOST). The pbsdsh launcher reads this.
     pbsdsh_by_host = False
+    spare_nodes = True
     # How qstat shows a job: -x adds finished ones where the server keeps history (PBS Pro);
     # the attribute that counts its starts (a rerun adds one).
     qstat_commands: tuple[tuple[str, ...], ...] = (("qstat", "-f", "-x"), ("qstat", "-f"))
@@ -77,7 +78,7 @@ class PbsPro(Scheduler):
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
-        options = [f"-N {self.job_name(job)}", f"-l select={res.nodes}:{self.chunk(job)}"]
+        options = [f"-N {self.job_name(job)}", f"-l select={res.allocated_nodes}:{self.chunk(job)}"]
         options.append("-l place=scatter:excl" if res.exclusive else "-l place=scatter")
         options.append(f"-l walltime={hms(res.time_limit_seconds)}")
         if res.partition:

@@ -37,10 +37,10 @@ class Torque(PbsPro):
 
     def options(self, job: Job) -> list[str]:
         res = job.resources
-        options = [f"-N {self.job_name(job)}", f"-l nodes={res.nodes}:{self.chunk(job)}",
+        options = [f"-N {self.job_name(job)}", f"-l nodes={res.allocated_nodes}:{self.chunk(job)}",
                    f"-l walltime={hms(res.time_limit_seconds)}"]
         if res.memory_mb:
-            options.append(f"-l mem={memory_text(res.memory_mb * res.nodes, 'gb', 'mb')}")
+            options.append(f"-l mem={memory_text(res.memory_mb * res.allocated_nodes, 'gb', 'mb')}")
         if res.exclusive:
             options.append("-n")
         if res.partition:
