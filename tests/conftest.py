@@ -69,7 +69,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
             unit = totals[nodeid.rsplit("@", 1)[1]]
             unit[0] += duration
             unit[1] += report.when == "call"
-    if totals:
+    if totals and not getattr(terminalreporter, "_jobgen_units_shown", False):
+        terminalreporter._jobgen_units_shown = True  # the hook runs twice under pytest-xdist
         terminalreporter.write_sep("=", "seconds by unit (the longest first)")
         for unit, (seconds, tests) in sorted(totals.items(), key=lambda item: -item[1][0])[:8]:
             terminalreporter.write_line(f"{seconds:8.0f} s  {tests:4d} tests  {unit}")

@@ -357,7 +357,7 @@ def test_openpbs_a_failed_node_is_replaced_by_a_spare_inside_the_job_and_it_ends
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
     first, bad, spare = log.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
     assert f"jobgen: node failure: node(s) {bad} exited 75 (node failure)" in log, log
-    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 2 nodes (restart 1 of at most 5; spare(s) left: none)" in log, log
+    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 2 node(s) (restart 1 of at most 5; spare(s) left: none)" in log, log
     assert f"jobgen: job {job_id} (restart 1) on {first} {spare};" in log, log
     assert "jobgen: continuation " not in log, log
     report = status(openpbs, folder, str(run_dir))
@@ -401,6 +401,26 @@ def test_torque_every_rank_is_wired_and_has_the_module(torque: PbsServer, how: s
     output = folder / f"jobgen-test-wired.o{job_id.split('.')[0]}"
     assert "jobgen: probe completed: " in output.read_text() and output.owner() == torque.user
     assert [s["outcome"] for s in status(torque, folder, str(run_dir))["segments"]] == ["completed"]
+
+
+def test_torque_a_failed_node_is_replaced_by_the_spare_its_pbsdsh_reaches_by_name(torque: PbsServer) -> None:
+    """The Torque server has two nodes: a 1-node probe with one spare. Its node fails (exit 75) at
+    the first start; the probe runs again at once in the same job on the spare (pbsdsh -h)."""
+    folder = torque.folder("spare")
+    job = probe("spare", [f"source {torque.venv}/bin/activate",
+                          'if [[ $JOBGEN_RESTART_COUNT == 0 ]]; then exit 75; fi'])
+    job["resources"].update(nodes=1, spare_nodes=1)
+    job_id = submit(torque, folder, job, "jobgen-submit")
+    finished(torque, job_id)
+    run_dir = run_dir_of(folder, job)
+    log = logs(torque, folder, run_dir)
+    bad, spare = log.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
+    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 1 node(s)" in log, log
+    assert f"(restart 1) on {spare};" in log and "jobgen: probe completed: " in log, log
+    assert "jobgen: continuation" not in log, log
+    segments = status(torque, folder, str(run_dir))["segments"]
+    assert [(s["job_id"], s["outcome"], s["nodes"]) for s in segments] == [
+        (job_id, "node_failed", [bad]), (job_id, "completed", [])], segments
 
 
 def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_segment(torque: PbsServer, tiny: Path, reference: dict) -> None:

@@ -51,7 +51,7 @@ def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_
     assert (run_dir / "excluded-nodes").read_text().split() == [allocated[1]]
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
     assert f"jobgen: hung: {hang['message']}" in log
-    assert (f"jobgen: restarting inside this allocation without node(s) {allocated[1]} on 2 nodes (restart 1 of at most 3; "
+    assert (f"jobgen: restarting inside this allocation without node(s) {allocated[1]} on 2 node(s) (restart 1 of at most 3; "
             "spare(s) left: none)") in log, log
     assert f"jobgen: job {job_id} (restart 1) on {allocated[0]} {allocated[2]};" in log, log
     assert "submitted without node(s)" not in log and job_fields(job_id)["Restarts"] == "0"
@@ -104,7 +104,7 @@ def test_a_node_range_job_goes_on_without_a_hung_node_inside_its_allocation_with
     assert (first["job_id"], first["outcome"], second["job_id"], second["restart"], second["outcome"]) == (
         job_id, "hung", job_id, 1, "completed"), (first, second)
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
-    assert f"jobgen: restarting inside this allocation without node(s) {allocated[1]} on 2 nodes" in log, log
+    assert f"jobgen: restarting inside this allocation without node(s) {allocated[1]} on 2 node(s)" in log, log
     assert f"jobgen: job {job_id} (restart 1) on {allocated[0]} {allocated[2]};" in log, log
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*") if p.is_file())
     assert "global batch 12 = 3 ranks x micro-batch 2 x 2 accumulation" in logs

@@ -89,10 +89,14 @@ def test_the_master_is_the_first_nodes_node_addr_or_its_name_where_scontrol_does
     # The script's own lines, run against the test cluster: node1's NodeAddr is 127.0.0.1.
     result = jobgen("render", "-s", "slurm", str(probe_job(tmp_path, "addr", 2, 1)))
     assert result.returncode == 0, result.stderr
+    # The hosts block's address lookup (a host's NodeAddr, from scontrol), then the lines that use it.
+    lookup = result.stdout[result.stdout.index("jobgen_address_of() {\n"):]
+    lookup = lookup[: lookup.index("\n}\n") + 3]
+    assert "scontrol show node" in lookup, lookup
     lines = [line for line in result.stdout.splitlines() if line.startswith(("jobgen_master_addr=", "export MASTER_ADDR="))]
-    assert len(lines) == 3 and "scontrol show node" in lines[1], lines  # empty, from scontrol, the export
+    assert len(lines) == 3 and "jobgen_address_of" in lines[1], lines  # empty, from the lookup, the export
     for first, master in [("node1", "127.0.0.1"), ("not-a-node", "not-a-node")]:
-        shown = subprocess.run(["bash", "-c", f"set -eo pipefail; JOBGEN_HOSTS=({first} node2)\n" + "\n".join(lines) + '\necho "$MASTER_ADDR"'],
+        shown = subprocess.run(["bash", "-c", f"set -eo pipefail; JOBGEN_HOSTS=({first} node2)\n{lookup}" + "\n".join(lines) + '\necho "$MASTER_ADDR"'],
                                capture_output=True, text=True, timeout=30)
         assert (shown.returncode, shown.stdout.strip()) == (0, master), shown.stderr
 

@@ -242,7 +242,7 @@ def encode_all(chunks: Iterable[Sequence[Sample]], chat: ChatTokenizer, processe
     processes = processes or usable_cpus()
     _WORK.update(chat=BatchChatEncoder(chat), samples=SampleEncoder(chat))
     done = tokens = 0
-    pool = None
+    pool, closed = None, False
     try:
         if processes == 1:
             encoded: Iterator[tuple[int, Chunk]] = ((len(c), _encode_chunk(c)) for c in chunks)
@@ -262,11 +262,23 @@ def encode_all(chunks: Iterable[Sequence[Sample]], chat: ChatTokenizer, processe
             progress(done, done, tokens)
         if pool is not None:
             pool.close()  # every chunk is in: the workers end on their own
+            closed = True
     finally:
         _WORK.clear()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _end_pool(pool, closed)
+
+
+def _end_pool(pool: Any, closed: bool) -> None:
+    """Ends the pool's workers. A closed pool's workers end by themselves, each at the sentinel
+    the pool queues for it: wait for them. Pool.terminate() then would SIGTERM a worker while it
+    holds the task queue's lock to take its sentinel, and leave the next one blocked on that lock,
+    which terminate() then joins for ever (seen in a real job: the preparer hung in Pool.join
+    while every rank waited for it). Only a pool left early (an error, a consumer that stopped)
+    is terminated."""
+    if not closed:
+        pool.terminate()
+    pool.join()
 
 
 def _in_order(pool: Any, chunks: Iterable[Sequence[Sample]], most: int) -> Iterator[tuple[int, Chunk]]:
