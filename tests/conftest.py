@@ -21,13 +21,15 @@ def shellcheck() -> str:
 
 
 # scripts/test runs the tests side by side (pytest-xdist, --dist loadgroup) in units that wait on
-# different things: the tests of the Slurm cluster, one after another (their jobs would queue
-# behind each other's), those of the PBS servers, and the CPU-bound rest a module at a time, so
-# that a module's own fixtures are made once; the modules sharing a costly session fixture go
-# together. The cluster units come first: they are the longest, and start at once.
-UNIT_BY_FIXTURE = {"slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
+# different things: the tests of the Slurm cluster's partitions that preempt (`debug`), one after
+# another (their jobs would queue behind each other's), those of its other nodes (`side`, `bind`),
+# those of the PBS servers, and the CPU-bound rest a module at a time, so that a module's own
+# fixtures are made once; the modules sharing a costly session fixture go together. The cluster
+# units come first: they are the longest, and start at once. A test's first fixture in this order
+# names its unit.
+UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
-FIRST = ("slurm", "pbs")
+FIRST = ("slurm", "slurm-side", "pbs")
 
 
 # First: pytest-xdist's own hook reads the marks to name each test's unit.
@@ -40,7 +42,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if shared or module not in module_unit:
             module_unit[module] = shared[0] if shared else module
     for item in items:
-        cluster = [UNIT_BY_FIXTURE[name] for name in item.fixturenames if name in UNIT_BY_FIXTURE]
+        cluster = [unit for name, unit in UNIT_BY_FIXTURE.items() if name in item.fixturenames]
         item.add_marker(pytest.mark.xdist_group(cluster[0] if cluster else module_unit[item.nodeid.split("::")[0]]))
     items.sort(key=lambda item: FIRST.index(_unit(item)) if _unit(item) in FIRST else len(FIRST))
 

@@ -2,7 +2,7 @@
 variables and the environment module the job loads, with Lmod and with Environment Modules;
 and a node that fails ends the job at once, every node with it, its status in the batch log.
 
-- srun: the four-node Slurm test cluster (tests/cluster).
+- srun: the Slurm test cluster (tests/cluster).
 - pbsdsh, pbs_tmrsh: the real OpenPBS and Torque servers (tests/test_pbs_servers.py); ssh and
   mpiexec below run under the stand-in PBS of tests/test_pbs_scripts.py, whose tasks start bare.
 - ssh: an OpenSSH server on 127.0.0.1 that this module starts with its own host key and a client

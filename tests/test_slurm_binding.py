@@ -60,9 +60,9 @@ def bind_to_cores(monkeypatch) -> None:
 
 
 @pytest.fixture
-def node_cpus(slurm_cluster) -> int:
+def node_cpus(slurm_side_cluster) -> int:
     """The CPUs of one `bind` node: all of this machine's."""
-    shown = subprocess.run(["scontrol", "show", "node", slurm_cluster.binding_nodes[0]], capture_output=True, text=True)
+    shown = subprocess.run(["scontrol", "show", "node", slurm_side_cluster.binding_nodes[0]], capture_output=True, text=True)
     cpus = int(re.search(r"CPUTot=(\d+)", shown.stdout).group(1))
     if cpus < 2:
         pytest.skip("this machine has one CPU: a task bound to one CPU has all of them")
@@ -70,12 +70,12 @@ def node_cpus(slurm_cluster) -> int:
 
 
 @pytest.mark.usefixtures("bind_to_cores")
-def test_here_a_step_that_asks_for_no_cpus_is_bound_to_one_core(slurm_cluster, node_cpus: int, tmp_path: Path) -> None:
+def test_here_a_step_that_asks_for_no_cpus_is_bound_to_one_core(slurm_side_cluster, node_cpus: int, tmp_path: Path) -> None:
     # What the srun options below guard against, shown on this cluster: the job holds every CPU
     # of the node, yet a step that does not ask for them again gets its task bound to one core.
     output = tmp_path / "cpus.out"
     subprocess.run(
-        ["sbatch", "--wait", f"--partition={slurm_cluster.binding_partition}", "--nodes=2", "--ntasks-per-node=1",
+        ["sbatch", "--wait", f"--partition={slurm_side_cluster.binding_partition}", "--nodes=2", "--ntasks-per-node=1",
          f"--cpus-per-task={node_cpus}", "--job-name=jobgen-test-binding", f"--output={output}",
          "--wrap", f"srun {CPUS_OF_TASK}; srun --cpus-per-task={node_cpus} {CPUS_OF_TASK}"],
         env={**os.environ, **ENV}, check=True, capture_output=True, timeout=120,
@@ -94,24 +94,24 @@ def test_here_a_step_that_asks_for_no_cpus_is_bound_to_one_core(slurm_cluster, n
 )
 @pytest.mark.usefixtures("bind_to_cores")
 def test_every_rank_may_run_on_every_cpu_its_node_holds(
-    slurm_cluster, node_cpus: int, tmp_path: Path, resources: dict, procs: int
+    slurm_side_cluster, node_cpus: int, tmp_path: Path, resources: dict, procs: int
 ) -> None:
     resources = {key: node_cpus if value == "ALL" else value for key, value in resources.items()}
-    config = probe_job(tmp_path, "binding", 2, procs, partition=slurm_cluster.binding_partition, **resources)
+    config = probe_job(tmp_path, "binding", 2, procs, partition=slurm_side_cluster.binding_partition, **resources)
     job_id = submit_with_jobgen(config)
     assert wait_until_finished(job_id) == "COMPLETED"
 
     records = probe_records(tmp_path / "runs" / "jobgen-test-binding")
     assert len(records) == 2 * procs
-    assert {record["SLURMD_NODENAME"] for record in records} == set(slurm_cluster.binding_nodes)
+    assert {record["SLURMD_NODENAME"] for record in records} == set(slurm_side_cluster.binding_nodes)
     assert [len(record["cpus"]) for record in records] == [node_cpus] * len(records), records
 
 
-def test_the_task_on_each_node_sees_every_gpu_the_job_asked_for(slurm_cluster, tmp_path: Path) -> None:
+def test_the_task_on_each_node_sees_every_gpu_the_job_asked_for(slurm_side_cluster, tmp_path: Path) -> None:
     # One task per node runs torchrun, which gives each local rank its GPU out of those the task
     # sees: the task must see them all. (The probe needs CUDA for a GPU job; the node's setup
     # records what torchrun would pass on and stops there.)
-    config = probe_job(tmp_path, "gpus", 2, None, gpus_per_node=2)
+    config = probe_job(tmp_path, "gpus", 2, None, gpus_per_node=2, partition=slurm_side_cluster.side_partition)
     job = yaml.safe_load(config.read_text())
     job["environment"] = {"setup": ['echo "$CUDA_VISIBLE_DEVICES" > "$JOBGEN_RUN_DIR/gpus-node$NODE_RANK"', "exit 0"]}
     config.write_text(yaml.safe_dump(job))

@@ -36,19 +36,19 @@ def wait_for(predicate, timeout_s: float, what: str):
         time.sleep(0.5)
 
 
-def test_all_six_nodes_are_up(slurm_cluster):
+def test_all_ten_nodes_are_up(slurm_cluster):
     # %N, not %n: %n is the node's hostname, which is "localhost" for every node here.
     listing = run("sinfo", "--Node", "--noheader", "--format=%N %t")
     assert listing.returncode == 0, listing.stderr
     states = dict(line.split() for line in listing.stdout.splitlines())
-    assert sorted(states) == sorted(slurm_cluster.nodes + slurm_cluster.binding_nodes)
+    assert sorted(states) == sorted(slurm_cluster.nodes + slurm_cluster.side_nodes + slurm_cluster.binding_nodes)
     unusable = {node: state for node, state in states.items() if state not in {"idle", "mix", "alloc"}}
     assert not unusable, f"nodes not usable: {unusable}\n{run('sinfo', '-N', '-l').stdout}"
 
 
 def test_node_names_resolve_for_rendezvous(slurm_cluster):
     # Every node is at 127.0.0.1 (NodeAddr), and so is its name: jobs' MASTER_ADDR is the NodeAddr.
-    assert {socket.gethostbyname(node) for node in slurm_cluster.nodes + slurm_cluster.binding_nodes} == {"127.0.0.1"}
+    assert {socket.gethostbyname(node) for node in slurm_cluster.nodes + slurm_cluster.side_nodes + slurm_cluster.binding_nodes} == {"127.0.0.1"}
 
 
 def test_three_node_job_sees_one_task_per_node(slurm_cluster, tmp_path):

@@ -24,13 +24,16 @@ import yaml
 
 from jobgen.rundir.files import rank_log
 from jobgen.train.heartbeat import detection_delay
+from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
 )
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = pytest.mark.usefixtures("slurm_side_cluster")
+
+PARTITION = SlurmTestCluster.side_partition
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -48,7 +51,7 @@ def fake_site_packages(folder: Path, package: str, version: str) -> Path:
 def test_a_node_with_another_package_version_ends_the_job_before_the_model_loads(tmp_path: Path, tiny: Path) -> None:
     stale = fake_site_packages(tmp_path / "stale-site", "peft", "0.0.1")
     setup = [f'if [[ $NODE_RANK == 1 ]]; then export PYTHONPATH={stale}${{PYTHONPATH:+:$PYTHONPATH}}; fi']
-    config = job_file(tmp_path / "job", tiny, "health-mismatch")
+    config = job_file(tmp_path / "job", tiny, "health-mismatch", PARTITION)
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "environment": {"setup": setup}}))
     job_id = submit("jobgen-submit", config, step_delay=0)
     assert wait_until_done(job_id, timeout=900) == "FAILED"
@@ -107,7 +110,7 @@ def hang_node(run_dir: Path, node_rank: int) -> float:
 
 
 def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
-    config = job_file(tmp_path / "job", tiny, "hang")
+    config = job_file(tmp_path / "job", tiny, "hang", PARTITION)
     job_id = submit("jobgen-submit", config, step_delay=2)
     run_dir = config.parent / "runs" / "jobgen-test-hang"
     stop_at = random.randint(3, 7)
@@ -162,7 +165,7 @@ def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_e
     hang in training, which the first test covers.)"""
     monkeypatch.setenv("JOBGEN_DEBUG_SAVE_PAUSE", "write@8:5")
     # Synchronous saves: every rank is inside the save, not training beside a background write.
-    config = job_file(tmp_path / "job", tiny, "hang-save", requeue={"hang_seconds": 20}, training={"async_save": False})
+    config = job_file(tmp_path / "job", tiny, "hang-save", PARTITION, requeue={"hang_seconds": 20}, training={"async_save": False})
     job_id = submit("jobgen-submit", config, step_delay=1)
     run_dir = config.parent / "runs" / "jobgen-test-hang-save"
     wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)

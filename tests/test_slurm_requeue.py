@@ -32,11 +32,11 @@ VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 PATHS = ("sbatch", "jobgen-submit")
 
 
-def job_file(folder: Path, tiny: Path, name: str, **sections) -> Path:
+def job_file(folder: Path, tiny: Path, name: str, partition: str = "debug", **sections) -> Path:
     job = {
         "name": f"jobgen-test-{name}",
         # Exclusive: the two jobs of a scenario get disjoint nodes.
-        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": "debug", "exclusive": True},
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": partition, "exclusive": True},
         "launch": {"procs_per_node": 1},
         "training": {
             "model": str(tiny / "model"), "data": str(tiny / "data.json"), "method": "lora", "precision": "fp32",
@@ -133,9 +133,10 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory) -> dict:
-    """The same job, run once on the cluster without interruption."""
-    config = job_file(tmp_path_factory.mktemp("reference"), tiny, "reference")
+def reference(tiny: Path, tmp_path_factory, request) -> dict:
+    """The same job, run once on the cluster without interruption, in the partition of the
+    module's jobs (its PARTITION)."""
+    config = job_file(tmp_path_factory.mktemp("reference"), tiny, "reference", getattr(request.module, "PARTITION", "debug"))
     job_id = submit("jobgen-submit", config, step_delay=0)
     assert wait_until_done(job_id) == "COMPLETED"
     run_dir = config.parent / "runs" / "jobgen-test-reference"

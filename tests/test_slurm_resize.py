@@ -14,20 +14,22 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cluster.fixtures import SlurmTestCluster
 from tests.test_slurm_requeue import job_fields, trained_steps, wait_for, wait_until_done
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = pytest.mark.usefixtures("slurm_side_cluster")
 
+PARTITION = SlurmTestCluster.side_partition
 MAX_STEPS = 8
 # The cluster is shared: a job may wait for nodes behind other tests' jobs.
 QUEUE_SECONDS = 900
 VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
 
-def job_file(folder: Path, tiny: Path, name: str, nodes: int | str) -> Path:
+def job_file(folder: Path, tiny: Path, name: str, nodes: int | str, partition: str = PARTITION) -> Path:
     job = {
         "name": f"jobgen-test-{name}",
-        "resources": {"nodes": nodes, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": "debug", "exclusive": True},
+        "resources": {"nodes": nodes, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": partition, "exclusive": True},
         "launch": {"procs_per_node": 1},
         # 12 samples per step: 6 per rank on 2 nodes (3 x 2 rounds), 4 on 3 (2 x 2). No dropout:
         # its masks are drawn per rank, so they differ when the ranks hold other samples.

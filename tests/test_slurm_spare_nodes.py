@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from jobgen.train.heartbeat import detection_delay
+from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
 from tests.test_slurm_health_hang import hang_node, hostnames
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
@@ -23,12 +24,14 @@ from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     wait_for, wait_for_step, wait_until_done,
 )
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = pytest.mark.usefixtures("slurm_side_cluster")
+
+PARTITION = SlurmTestCluster.side_partition
 
 
 def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_finishes_exactly(
         tmp_path: Path, tiny: Path, reference: dict) -> None:
-    config = job_file(tmp_path / "job", tiny, "spare", resources={"spare_nodes": 1})
+    config = job_file(tmp_path / "job", tiny, "spare", PARTITION, resources={"spare_nodes": 1})
     job_id = submit("jobgen-submit", config, step_delay=2)
     run_dir = config.parent / "runs" / "jobgen-test-spare"
     stop_at = random.randint(3, 7)
@@ -77,10 +80,9 @@ def test_a_node_range_job_goes_on_without_a_hung_node_inside_its_allocation_with
     other ranks."""
     from tests.test_slurm_resize import job_file as resize_job_file, losses
 
-    def job(name: str, nodes, partition: str = "debug") -> Path:
-        config = resize_job_file(tmp_path / name, tiny, name, nodes=nodes)
+    def job(name: str, nodes, partition: str = PARTITION) -> Path:
+        config = resize_job_file(tmp_path / name, tiny, name, nodes=nodes, partition=partition)
         fields = yaml.safe_load(config.read_text())
-        fields["resources"]["partition"] = partition
         fields["training"].update(max_steps=MAX_STEPS, save_interval=4)
         fields["requeue"] = {"max_restarts": 3, "warning_seconds": 30}
         config.write_text(yaml.safe_dump(fields))

@@ -1,4 +1,4 @@
-"""`jobgen submit` and hand-submitted `sbatch` scripts on the real four-node Slurm test cluster.
+"""`jobgen submit` and hand-submitted `sbatch` scripts on the real Slurm test cluster.
 
 Jobs run `jobgen-probe`: every rank records its variables and joins one all_reduce, so these
 tests check the wiring a fine-tune depends on in seconds. The trainer itself runs on the

@@ -1,4 +1,4 @@
-"""Pytest plugin: the `slurm_cluster` fixture, a real four-node Slurm cluster on this machine.
+"""Pytest plugin: the `slurm_cluster` fixture, a real Slurm cluster of ten nodes on this machine.
 
 Register it with ``pytest_plugins = ["tests.cluster.fixtures"]`` (or ``-p tests.cluster.fixtures``).
 The cluster is started once per session by ``tests/cluster/slurm-cluster.sh start`` and left
@@ -45,6 +45,11 @@ class SlurmTestCluster:
     # is what it would be on a real node (on `nodes`, 128 CPUs map onto this machine's few).
     binding_nodes: tuple[str, ...] = ("bind1", "bind2")
     binding_partition: str = "bind"
+    # Four more nodes like `nodes`, in a partition of their own that nothing preempts: the tests
+    # that preempt nothing run there (fixture `slurm_side_cluster`), beside those that preempt
+    # `debug`, as a second unit of the test run.
+    side_nodes: tuple[str, ...] = ("node5", "node6", "node7", "node8")
+    side_partition: str = "side"
     state_dir: Path = Path(os.environ.get("JOBGEN_SLURM_DIR", "/var/tmp/jobgen-slurm"))
 
 
@@ -86,3 +91,10 @@ def slurm_cluster(tmp_path_factory):
         )
     yield SlurmTestCluster()
     _cancel_test_jobs(tmp_path_factory.getbasetemp().resolve())
+
+
+@pytest.fixture(scope="session")
+def slurm_side_cluster(slurm_cluster):
+    """The same cluster, for tests whose jobs run in `side_partition` (and `binding_partition`)
+    only: tests/conftest.py runs them as a unit of their own, beside those of `debug`."""
+    return slurm_cluster

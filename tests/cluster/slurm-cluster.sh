@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A real Slurm 22.05 test cluster on this one machine, for jobgen's integration tests: four
-# nodes like GPU nodes, and two that are exactly this machine for the CPU-binding tests.
+# A real Slurm 22.05 test cluster on this one machine, for jobgen's integration tests: eight
+# nodes like GPU nodes (two groups of four, so that two groups of tests run side by side), and two
+# that are exactly this machine for the CPU-binding tests.
 #
 #   tests/cluster/slurm-cluster.sh start    # idempotent: does nothing if the cluster is healthy
 #   tests/cluster/slurm-cluster.sh status   # prints sinfo; exit 0 if healthy, 1 if not
@@ -19,9 +20,12 @@
 #     steps get SIGTERM at once, and a job still running after the grace time is killed and
 #     requeued (a job that exits 0 within the grace time ends COMPLETED, not requeued);
 #   - a third partition `gpu`, like `debug` but not the default;
+#   - partition `side` of node5..node8, declared like node1..4 and used by no other partition
+#     (PreemptMode=OFF): the tests that preempt nothing run there, beside those that preempt
+#     `debug`, without queueing behind them;
 #   - tasks are bound to CPUs as at most sites (TaskPlugin=task/affinity, Slurm's automatic
 #     binding; a job may ask for binding to cores itself, e.g. SLURM_CPU_BIND=cores). Not on
-#     node1..4 (CpuBind=none): their 128 CPUs are Slurm's bookkeeping, and binding would map a task
+#     node1..8 (CpuBind=none): their 128 CPUs are Slurm's bookkeeping, and binding would map a task
 #     onto images of this machine's few real CPUs, or fail to lay out one of more CPUs than the
 #     machine has ("Unable to layout tasks on given cpus": every exclusive job there);
 #   - partition `bind` of nodes bind1 and bind2, declared exactly as this machine is (`slurmd
@@ -40,7 +44,7 @@ set -euo pipefail
 
 STATE=${JOBGEN_SLURM_DIR:-/var/tmp/jobgen-slurm}
 CONF_DIR=/etc/slurm
-NODES=(node1 node2 node3 node4 bind1 bind2)
+NODES=(node1 node2 node3 node4 node5 node6 node7 node8 bind1 bind2)
 START_TIMEOUT_S=60
 STOP_TIMEOUT_S=20
 # Set when start-up fails; read by the EXIT trap so that a half-started cluster is stopped.
@@ -92,7 +96,7 @@ this_machine() {
 
 slurm_conf() {
     cat <<EOF
-# Written by tests/cluster/slurm-cluster.sh: a six-node test cluster on one machine.
+# Written by tests/cluster/slurm-cluster.sh: a ten-node test cluster on one machine.
 ClusterName=jobgen-test
 SlurmctldHost=localhost
 SlurmctldPort=6817
@@ -146,11 +150,13 @@ PreemptMode=REQUEUE
 
 GresTypes=gpu
 NodeName=node[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17004 CPUs=128 RealMemory=2000000 Gres=gpu:8 CpuBind=none State=UNKNOWN
+NodeName=node[5-8] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17007-17010 CPUs=128 RealMemory=2000000 Gres=gpu:8 CpuBind=none State=UNKNOWN
 NodeName=bind[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17005-17006 $(this_machine) RealMemory=1000 Gres=gpu:8 State=UNKNOWN
 # AllowAccounts=ALL: a list of accounts needs slurmdbd; without it every job is refused.
 PartitionName=debug Nodes=node[1-4] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=high Nodes=node[1-4] PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=gpu Nodes=node[1-4] PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP AllowAccounts=ALL
+PartitionName=side Nodes=node[5-8] PriorityTier=1 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
 PartitionName=bind Nodes=bind[1-2] PriorityTier=1 PreemptMode=OFF MaxTime=INFINITE State=UP AllowAccounts=ALL
 EOF
 }
@@ -180,7 +186,7 @@ gres_conf() {
     cat <<EOF
 # Written by tests/cluster/slurm-cluster.sh: fake GPUs (copies of /dev/null).
 AutoDetect=off
-NodeName=node[1-4],bind[1-2] Name=gpu File=$STATE/dev/gpu[0-7]
+NodeName=node[1-8],bind[1-2] Name=gpu File=$STATE/dev/gpu[0-7]
 EOF
 }
 
@@ -321,7 +327,7 @@ start_cluster() {
     start_daemons
     wait_for_idle || exit 1
     START_FAILED=0
-    echo "Slurm test cluster up: ${NODES[*]}, partitions debug (default), high, gpu and bind."
+    echo "Slurm test cluster up: ${NODES[*]}, partitions debug (default), high, gpu, side and bind."
 }
 
 stop_cluster() {
