@@ -125,3 +125,52 @@ def test_a_probe_that_completes_says_what_it_found_not_a_training_step(tmp_path:
     assert "training completed" not in output
     found = json.loads((run_dir / "trainer-exit.json").read_text())["message"]
     assert f"jobgen: probe completed: {found}\n" in output, output
+
+
+def test_a_node_whose_processes_all_vanish_is_a_node_failure_that_names_and_excludes_it(tmp_path: Path) -> None:
+    """Node 1's processes (its torchrun and its rank) are all killed at once (SIGKILL, as when a
+    node goes down) while the job trains the tiny model: node 1 leaves no record of its end, node
+    0's torchrun records that its rank failed or its launcher ended it, and the segment is a node
+    failure naming node 1, not a failure of the job."""
+    from tests.processes import signal_all, with_environment
+    from tests.test_slurm_requeue import trained_steps, wait_for
+
+    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "kinds",
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
+        "launch": {"procs_per_node": 1},
+        "training": {"model": "tiny/model", "data": "tiny/data.json", "method": "lora", "precision": "fp32",
+                     "per_device_batch_size": 2, "max_length": 64, "max_steps": 40, "save_interval": 4},
+    }))
+    submit = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", str(config)], cwd=tmp_path,
+                              env={**os.environ, "PATH": VENV_PATH, "JOBGEN_DEBUG_STEP_DELAY": "0.5"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "kinds"
+    job_id = "-"
+    try:
+        wait_for(lambda: len(trained_steps(run_dir)) >= 2 or submit.poll() is not None, "step 2", timeout=240)
+        job_id = json.loads((run_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+        node1 = set(with_environment("JOBGEN_JOB_ID", job_id)) & set(with_environment("NODE_RANK", "1"))
+        assert node1, "node 1 has no processes"
+        signal_all(sorted(node1), 9)
+        output, _ = submit.communicate(timeout=180)
+    finally:
+        if submit.poll() is None:
+            signal_all(with_environment("JOBGEN_JOB_ID", job_id) + [submit.pid], 9)
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert outcomes(run_dir) == ["node_failed"], output
+    assert (f"jobgen: node failure: node(s) {host} lost: all of its processes ended at once without a status (killed, "
+            "or the node went down), and the other nodes' ranks failed for want of it") in output, output
+    assert (run_dir / "excluded-nodes").read_text().split() == [host]
+    (record,) = [(p.name, p.read_text()) for p in (run_dir / "node-ends").iterdir()]
+    assert record in {("0", f"1 {host} run\n"), ("0", f"143 {host} run\n")}
+
+
+def test_a_node_whose_setup_fails_otherwise_is_a_failure_of_the_job_not_a_lost_node(tmp_path: Path) -> None:
+    run_dir, output = run_local(tmp_path, ['if [[ $NODE_RANK == 1 ]]; then exit 3; fi'])
+    assert outcomes(run_dir) == ["failed"], output
+    assert "lost" not in output and not (run_dir / "excluded-nodes").exists()
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert (run_dir / "node-ends" / "1").read_text() == f"3 {host} setup\n"

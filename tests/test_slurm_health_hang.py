@@ -109,6 +109,20 @@ def hang_node(run_dir: Path, node_rank: int) -> float:
     return stopped_at
 
 
+def kill_node(run_dir: Path, node_rank: int) -> float:
+    """Kills all of a node's processes at once with SIGKILL, as when the node goes down: its
+    torchrun (the ranks' parent, which its srun task became) and everything under it. Returns when."""
+    from tests.processes import descendants, process_table, signal_all
+
+    table = process_table()
+    ranks = [pid for pid in rank_pids(run_dir, node_rank) if pid in table]
+    torchrun = {table[pid][0] for pid in ranks if table[pid][0] not in ranks}
+    assert len(torchrun) == 1, (ranks, torchrun)
+    killed_at = time.time()
+    signal_all(descendants(sorted(torchrun), table), signal.SIGKILL)
+    return killed_at
+
+
 def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
     config = job_file(tmp_path / "job", tiny, "hang", PARTITION)
     job_id = submit("jobgen-submit", config, step_delay=2)

@@ -18,7 +18,7 @@ import yaml
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
-from tests.test_slurm_health_hang import hang_node, hostnames
+from tests.test_slurm_health_hang import hang_node, hostnames, kill_node
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
@@ -70,6 +70,44 @@ def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"spare nodes: hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
           f"first new step {first_new_step - stopped_at:.0f} s after the stop, inside the allocation")
+
+
+def test_a_node_whose_processes_are_killed_is_replaced_by_the_spare_and_the_job_finishes_exactly(
+        tmp_path: Path, tiny: Path, reference: dict) -> None:
+    """All of node 1's processes are killed at once (SIGKILL, as when a node goes down): node 0's
+    rank fails for want of its peer, node 1 records nothing, and the segment is a node failure
+    naming node 1 (docs/exit-codes.md); the job restarts at once on node 0 and the spare."""
+    config = job_file(tmp_path / "job", tiny, "spare-kill", PARTITION, resources={"spare_nodes": 1})
+    job_id = submit("jobgen-submit", config, step_delay=2)
+    run_dir = config.parent / "runs" / "jobgen-test-spare-kill"
+    kill_at = random.randint(3, 7)
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
+    allocated = hostnames(job_fields(job_id)["NodeList"])
+    assert len(allocated) == 3, allocated
+    wait_for_step(run_dir, kill_at)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    killed_at = kill_node(run_dir, 1)
+    assert wait_until_done(job_id, timeout=600) == "COMPLETED"
+    first, second = segments(run_dir)
+    assert (first["job_id"], first["restart"], first["outcome"]) == (job_id, 0, "node_failed"), first
+    assert (second["job_id"], second["restart"], second["outcome"]) == (job_id, 1, "completed"), second
+    assert (run_dir / "excluded-nodes").read_text().split() == [allocated[1]]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: node failure: node(s) {allocated[1]} lost: all of its processes ended at once without a status" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {allocated[0]} {allocated[2]};" in log, log
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    ended = json.loads([line for line in (run_dir / "segments.jsonl").read_text().splitlines() if '"end"' in line][0])
+    print(f"spare nodes: node killed at step ~{kill_at}: segment ended {ended_seconds(ended) - killed_at:.0f} s after the kill, "
+          f"first new step {first_new_step - killed_at:.0f} s after it, inside the allocation")
+
+
+def ended_seconds(record: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(record["at"].replace("Z", "+00:00")).timestamp()
 
 
 def test_a_node_range_job_goes_on_without_a_hung_node_inside_its_allocation_with_the_same_losses(tmp_path: Path, tiny: Path) -> None:

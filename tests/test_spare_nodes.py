@@ -37,6 +37,8 @@ def test_a_job_with_spares_asks_slurm_for_them_and_starts_its_step_on_the_traine
     assert 'srun --nodes="$NNODES" --nodelist="$(IFS=,; echo "${JOBGEN_HOSTS[*]}")" --ntasks="$NNODES"' in script
     plain = _render(_job(tmp_path))
     assert "#SBATCH --nodes=2\n" in plain and "--nodelist" not in plain and "jobgen_choose_hosts" not in plain
+    # A node that goes down does not end the job with spares (Slurm's default would): only then.
+    assert "#SBATCH --no-kill\n" in script and "--no-kill" not in plain
 
 
 def _choose(script: str, allocated: list[str], excluded: list[str], run_dir: Path) -> subprocess.CompletedProcess:

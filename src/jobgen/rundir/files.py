@@ -39,6 +39,10 @@ IN_ALLOCATION_RESTARTS = "in-allocation-restarts"
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
 NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with exit_node_failed or exit_do_not_requeue: "STATUS NODE"
+# A file per node (NODE_RANK), written as the node's part ends: "STATUS NODE PHASE", PHASE `setup`
+# (its setup ended it) or `run` (jobgen-torchrun's own status). A node without one lost all its
+# processes at once (killed, or the node went down): the batch script tells it from the others.
+NODE_ENDS = "node-ends"
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder
@@ -122,6 +126,7 @@ class _TemplateFiles:
     in_allocation_restarts = IN_ALLOCATION_RESTARTS
     slurm_continuation = SLURM_CONTINUATION
     node_exits = NODE_EXITS
+    node_ends = NODE_ENDS
     heartbeats = HEARTBEATS
     exit_user_error = EXIT_USER_ERROR
     exit_not_finite = EXIT_NOT_FINITE

@@ -87,6 +87,10 @@ class Slurm(Scheduler):
         if res.exclusive:
             options.append("--exclusive")
         options.append("--requeue" if job.requeue.enabled else "--no-requeue")
+        if job.restarts_in_allocation:
+            # A node that goes down would otherwise end the whole job (Slurm's default): the batch
+            # script goes on without it, on a spare or on fewer nodes of a range (job.sh.j2).
+            options.append("--no-kill")
         # B: signals the batch shell only; it tells the ranks itself (see the script's trap), so
         # a checkpoint is written before the time limit even when requeue is off.
         options.append(f"--signal=B:{job.requeue.signal}@{job.requeue.warning_seconds}")

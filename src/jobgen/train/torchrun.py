@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -216,7 +217,42 @@ def export_tracker_environment() -> None:
         sys.exit(EXIT_USER_ERROR)
 
 
+def record_node_end(status: int) -> None:
+    """RUN_DIR/node-ends/NODE_RANK: "STATUS NODE run", for the batch script. A node that leaves
+    none lost all its processes at once (killed, or gone down) while the other nodes' ranks failed
+    for want of it (jobgen.rundir.files.NODE_ENDS); outside a jobgen job, nothing."""
+    run_dir, rank = os.environ.get("JOBGEN_RUN_DIR"), os.environ.get("NODE_RANK", "")
+    if not run_dir or not rank.isdigit():
+        return
+    from jobgen.files import replace_atomically
+    from jobgen.rundir.files import NODE_ENDS
+
+    name = os.environ.get("JOBGEN_NODE_NAME") or socket.gethostname()
+    try:
+        os.makedirs(os.path.join(run_dir, NODE_ENDS), exist_ok=True)
+        replace_atomically(os.path.join(run_dir, NODE_ENDS, rank), f"{status} {name} run\n")
+    except OSError as error:
+        sys.stderr.write(f"jobgen-torchrun: could not record this node's end ({error})\n")
+
+
+def exit_status(leaving: SystemExit) -> int:
+    """The status a SystemExit ends the process with, as Python computes it."""
+    return leaving.code if isinstance(leaving.code, int) else (0 if leaving.code is None else 1)
+
+
 def main() -> None:
+    status = 1
+    try:
+        run()
+        status = 0
+    except SystemExit as leaving:
+        status = exit_status(leaving)
+        raise
+    finally:
+        record_node_end(status)
+
+
+def run() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
