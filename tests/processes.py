@@ -4,7 +4,10 @@ a session of its own, so a process group or session does not find them all)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 from pathlib import Path
 
 
@@ -65,3 +68,44 @@ def with_environment(name: str, value: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+# --- A node's faults, as the Slurm and PBS tests cause them ---------------------------------------
+
+
+def rank_pids(run_dir: Path, node_rank: int) -> list[int]:
+    """The rank processes of one node, as its hang supervisor publishes them in the run directory
+    (RUN_DIR/heartbeat/node-K.json), and their children."""
+    node = json.loads((run_dir / "heartbeat" / f"node-{node_rank}.json").read_text())
+    pids = [rank["pid"] for rank in node["ranks"]]
+    return pids + [pid for pid, (parent, _) in process_table().items() if parent in pids]
+
+
+def hang_node(run_dir: Path, node_rank: int, timeout: float = 300) -> float:
+    """Stops a node's ranks with SIGSTOP (a real hang: the other ranks block in their collective)
+    until the hang supervisor has written RUN_DIR/hang.json, then continues them (the supervisor
+    kills them: none is left stopped). Returns when they were stopped."""
+    stopped = rank_pids(run_dir, node_rank)
+    stopped_at = time.time()
+    signal_all(stopped, signal.SIGSTOP)
+    try:
+        while not (run_dir / "hang.json").exists():
+            if time.time() > stopped_at + timeout:
+                raise AssertionError(f"the hang was not detected in {timeout} s")
+            time.sleep(1)
+    finally:
+        signal_all(stopped, signal.SIGCONT)
+    return stopped_at
+
+
+def kill_node(run_dir: Path, node_rank: int) -> float:
+    """Kills all of a node's processes at once with SIGKILL, as when the node goes down: its
+    torchrun (the ranks' parent, which the node's task became) and everything under it. Returns
+    when."""
+    table = process_table()
+    ranks = [pid for pid in rank_pids(run_dir, node_rank) if pid in table]
+    torchrun = {table[pid][0] for pid in ranks if table[pid][0] not in ranks}
+    assert len(torchrun) == 1, (ranks, torchrun)
+    killed_at = time.time()
+    signal_all(descendants(sorted(torchrun), table), signal.SIGKILL)
+    return killed_at

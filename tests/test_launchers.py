@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,3 +314,61 @@ def test_srun_a_failing_node_ends_the_job(tmp_path: Path) -> None:
     node1 = log.split("jobgen: job ", 1)[1].split(" on ", 1)[1].split(";")[0].split()[1]  # wherever Slurm put it
     assert f"srun: error: {node1}: task 1: Exited with exit code 3" in log
     assert "jobgen: training failed: the trainer left no report (srun (every node) exited with status 143)" in log
+
+
+# --- A spare node in a failed node's place, started by ssh or mpiexec ---------------------------
+
+BAD_NODE_ONCE = 'if [[ $JOBGEN_RESTART_COUNT == 0 && $NODE_RANK == 1 ]]; then exit 75; fi'  # "this node is bad"
+
+
+def ssh_options_for(sshd: list[str], names: tuple[str, ...], folder: Path) -> list[str]:
+    """The test sshd's client options, its host key known under the names the job's ssh uses."""
+    config = Path(sshd[1]).read_text()
+    port = re.search(r"^\s*Port (\d+)$", config, re.M).group(1)
+    known = re.search(r"^\s*UserKnownHostsFile (\S+)$", config, re.M).group(1)
+    key = Path(known).read_text().split(" ", 1)[1]
+    (folder / "known_hosts").write_text(",".join(f"[{name}]:{port}" for name in names) + f" {key}")
+    (folder / "ssh_config").write_text(config.replace(known, str(folder / "known_hosts")))
+    return ["-F", str(folder / "ssh_config")]
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "mpiexec"])
+def test_inside_a_slurm_allocation_a_failed_node_is_replaced_by_the_spare_that_ssh_or_mpiexec_starts(
+        launcher: str, slurm_side_cluster, sshd: list[str], tmp_path: Path) -> None:
+    """resources.spare_nodes: 1 with launch.launcher ssh, or mpiexec (Open MPI, which starts its
+    daemons with srun inside the allocation): node 1 says it is bad (75) at the first start, and
+    the job goes on at once, node 0 and the spare started by the same launcher, whose ranks reach
+    each other. The Slurm nodes' names resolve to this machine, where the test's sshd listens."""
+    name = f"spare-{launcher}"
+    config = slurm_probe_job(tmp_path, name, 2, 1, partition=slurm_side_cluster.side_partition, spare_nodes=1)
+    job = yaml.safe_load(config.read_text())
+    job["launch"]["launcher"] = launcher
+    if launcher == "ssh":
+        job["launch"]["ssh_options"] = ssh_options_for(sshd, slurm_side_cluster.side_nodes, tmp_path)
+    job["environment"] = {"setup": [BAD_NODE_ONCE]}
+    config.write_text(yaml.safe_dump(job))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if launcher == "mpiexec":
+        bin_dir = tmp_path / "openmpi-bin"
+        bin_dir.mkdir()
+        (bin_dir / "mpiexec").symlink_to(MPIEXEC["openmpi"])
+        env["PATH"] = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    script = config.with_suffix(".sbatch")
+    assert jobgen("render", "-s", "slurm", str(config), "-o", str(script)).returncode == 0
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / f"jobgen-test-{name}"
+    assert wait_until_finished(job_id, timeout=600) == "COMPLETED", batch_log(run_dir)
+    log = batch_log(run_dir)
+    first, bad, spare = log.split(f"jobgen: job {job_id} (restart 0) on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
+    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 2 node(s)" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {first} {spare};" in log, log
+    from tests.test_failure_kinds import outcomes
+
+    assert outcomes(run_dir) == ["node_failed", "completed"]
+    records = probe_records(run_dir)
+    assert [(r["NODE_RANK"], r["all_reduce_sum"]) for r in records] == [("0", 3), ("1", 3)]
+    assert_no_node_outlives_the_job(run_dir)

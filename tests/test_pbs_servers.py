@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import os
 import shutil
 import subprocess
@@ -366,6 +367,43 @@ def test_openpbs_a_failed_node_is_replaced_by_a_spare_inside_the_job_and_it_ends
     assert [s["job_id"] for s in report["submissions"]] == [job_id]
     assert report["excluded_nodes"] == [bad]
     assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.mark.parametrize("fault", ["hang", "kill"])
+def test_openpbs_a_node_that_hangs_or_is_killed_while_training_is_replaced_by_a_spare_and_it_ends_exactly(
+        openpbs: PbsServer, tiny: Path, reference: dict, fault: str) -> None:
+    """While the job trains, node 1's rank is stopped with SIGSTOP (a hang the supervisor names) or
+    all of node 1's processes are killed (a node going down): the job restarts at once on node 0
+    and the spare, in the same job. Prints the time from the fault to the first new step
+    (BENCHMARKS.md)."""
+    from tests.processes import hang_node, kill_node
+
+    folder = openpbs.folder(f"spare-{fault}")
+    job = lora_job(tiny, f"spare-{fault}", setup_lines(openpbs), step_delay=2, resources={"spare_nodes": 1})
+    job_id = submit(openpbs, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
+    run_dir = run_dir_of(folder, job)
+    at_step = random.randint(3, 7)
+    wait_for_step(run_dir, at_step)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat", 60)
+    fault_at = hang_node(run_dir, 1) if fault == "hang" else kill_node(run_dir, 1)
+    fields = finished(openpbs, job_id)
+    assert fields["Exit_status"] == "0", logs(openpbs, folder, run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    first, bad, spare = log.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
+    said = "jobgen: hung: " if fault == "hang" else f"jobgen: node failure: node(s) {bad} lost: "
+    assert said in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {first} {spare};" in log, log
+    report = status(openpbs, folder, str(run_dir))
+    outcome = "hung" if fault == "hang" else "node_failed"
+    assert [(s["job_id"], s["outcome"], s["nodes"]) for s in report["segments"]] == [
+        (job_id, outcome, [bad]), (job_id, "completed", [])], report["segments"]
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    second = report["segments"][1]
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    print(f"OpenPBS, spare nodes: {fault} at step ~{at_step}: first new step {first_new_step - fault_at:.0f} s after it, "
+          "inside the job")
 
 
 def test_torque_a_job_that_cannot_be_placed_without_its_bad_node_says_so(torque: PbsServer) -> None:

@@ -7,16 +7,15 @@
   (a real hang: the other rank blocks in its collective) ends as `hung` naming that node within
   the bound, is resubmitted without it, resumes from its last checkpoint and finishes with
   adapter weights bitwise equal to an uninterrupted run.
+- The same job with all of node 1's processes killed at once (a node going down) ends that segment
+  as `node_failed` naming the node, and finishes the same way in a continuation without it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from jobgen.rundir.files import rank_log
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
+from tests.processes import hang_node, kill_node
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
@@ -74,55 +74,6 @@ def test_a_node_with_another_package_version_ends_the_job_before_the_model_loads
     assert f"health check of job {job_id}: {line}" in status
 
 
-def rank_pids(run_dir: Path, node_rank: int) -> list[int]:
-    """The rank processes of one node, as its hang supervisor publishes them, and their children."""
-    node = json.loads((run_dir / "heartbeat" / f"node-{node_rank}.json").read_text())
-    pids = [rank["pid"] for rank in node["ranks"]]
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent in pids:
-                children.append(int(entry.name))
-    return pids + children
-
-
-def hang_node(run_dir: Path, node_rank: int) -> float:
-    """Stops a node's ranks with SIGSTOP (a real hang: the other ranks block in their collective)
-    until the hang supervisor has written hang.json, then continues them (the supervisor kills
-    them: none is left stopped). Returns when they were stopped."""
-    stopped = rank_pids(run_dir, node_rank)
-    stopped_at = time.time()
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: (run_dir / "hang.json").exists(), "the hang to be detected", timeout=300)
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    return stopped_at
-
-
-def kill_node(run_dir: Path, node_rank: int) -> float:
-    """Kills all of a node's processes at once with SIGKILL, as when the node goes down: its
-    torchrun (the ranks' parent, which its srun task became) and everything under it. Returns when."""
-    from tests.processes import descendants, process_table, signal_all
-
-    table = process_table()
-    ranks = [pid for pid in rank_pids(run_dir, node_rank) if pid in table]
-    torchrun = {table[pid][0] for pid in ranks if table[pid][0] not in ranks}
-    assert len(torchrun) == 1, (ranks, torchrun)
-    killed_at = time.time()
-    signal_all(descendants(sorted(torchrun), table), signal.SIGKILL)
-    return killed_at
-
-
 def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
     config = job_file(tmp_path / "job", tiny, "hang", PARTITION)
     job_id = submit("jobgen-submit", config, step_delay=2)
@@ -169,6 +120,36 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
           f"first new step {first_new_step - stopped_at:.0f} s after the stop; process-group timeout 1800 s")
+
+
+def test_a_node_whose_processes_are_killed_is_excluded_and_the_job_continues_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
+    """All of node 1's processes are killed at once (SIGKILL, as when a node goes down): node 0's
+    rank fails for want of it within seconds, the segment is a node failure naming node 1 (before,
+    a failure of the job, not requeued), and the continuation without node 1 finishes exactly."""
+    config = job_file(tmp_path / "job", tiny, "kill", PARTITION)
+    job_id = submit("jobgen-submit", config, step_delay=2)
+    run_dir = config.parent / "runs" / "jobgen-test-kill"
+    kill_at = random.randint(3, 7)
+    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
+    nodes = hostnames(job_fields(job_id)["NodeList"])
+    wait_for_step(run_dir, kill_at)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    killed_at = kill_node(run_dir, 1)
+    assert wait_until_done(job_id) == "COMPLETED"  # it ended by submitting its continuation
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: node failure: node(s) {nodes[1]} lost: all of its processes ended at once without a status" in log, log
+    assert "submitted without node(s)" in log
+    continuation = wait_for(lambda: len(segments(run_dir)) > 1 and segments(run_dir)[1]["job_id"], "the continuation to start", timeout=600)
+    assert wait_until_done(continuation, timeout=600) == "COMPLETED"
+    assert nodes[1] not in hostnames(job_fields(continuation)["NodeList"])
+    first, second = segments(run_dir)
+    assert (first["outcome"], second["outcome"], second["restart"]) == ("node_failed", "completed", 1)
+    assert (run_dir / "excluded-nodes").read_text().split() == [nodes[1]]
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    print(f"node killed at step ~{kill_at}: first new step {first_new_step - killed_at:.0f} s after the kill, in the continuation")
 
 
 def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_exactly(

@@ -18,7 +18,8 @@ import yaml
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
-from tests.test_slurm_health_hang import hang_node, hostnames, kill_node
+from tests.processes import hang_node, kill_node
+from tests.test_slurm_health_hang import hostnames
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
     MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,

@@ -50,6 +50,26 @@ def test_the_data_hash_is_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
     assert health.HashCache(str(tmp_path / "run"), "node1").file_hash(str(data))["sha256"] != found["sha256"]
 
 
+def test_hashing_a_data_file_tells_the_heartbeat_how_far_it_got(tmp_path: Path, monkeypatch) -> None:
+    """The first start on a large data set hashes it (the health gate's cache, and the store's
+    name) for longer than the start-up's hang bound: the bytes read so far reach the rank's
+    heartbeat as it goes, a change the hang supervisor counts as progress."""
+    from jobgen.train import store
+
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b"x" * (40 * 2**20))
+    monkeypatch.setattr(health, "PROGRESS_EVERY", 0.0)  # every chunk read is reported
+    seen: list[int] = []
+    health.HashCache(str(tmp_path / "run"), "node1", seen.append).file_hash(str(data))
+    assert seen == [n * health.CHUNK for n in range(1, 6)]  # 8 MiB chunks of 40 MiB
+    seen.clear()
+    store._HashCache(str(tmp_path / "prepared"), seen.append).file_sha256(str(data), "training.data")
+    assert seen == [16 * 2**20, 32 * 2**20, 40 * 2**20]  # its 16 MiB chunks
+    seen.clear()
+    store._HashCache(str(tmp_path / "prepared")).file_sha256(str(data), "training.data")  # no callback: no report
+    assert seen == []
+
+
 def test_the_bound_follows_the_step_times_above_a_floor_and_is_longer_at_start_and_save() -> None:
     assert hang_bound([], "training") == FLOOR_SECONDS
     assert hang_bound([2.0, 3.0], "training") == FLOOR_SECONDS

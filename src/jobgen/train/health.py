@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jobgen.errors import UserError
 from jobgen.rundir.files import HEALTH, HEALTH_CACHE, HEALTH_HISTORY
@@ -91,10 +91,18 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-class HashCache:
-    """Content hashes by (path, size, mtime), one JSON file per node in RUN_DIR/health-cache."""
+# A file this large is hashed with a line saying so (at the first start on a node: later starts
+# read the node's cache), and its progress reaches the hang supervisor as it goes.
+LARGE_FILE = 2**30
+PROGRESS_EVERY = 1.0  # seconds between progress reports while hashing
 
-    def __init__(self, run_dir: str, node: str) -> None:
+
+class HashCache:
+    """Content hashes by (path, size, mtime), one JSON file per node in RUN_DIR/health-cache.
+    `progress(bytes hashed so far)` is called about once a second while a file is read: hashing
+    a large data set at its first start can take longer than the start-up's hang bound."""
+
+    def __init__(self, run_dir: str, node: str, progress: Optional[Callable[[int], None]] = None) -> None:
         self.path = os.path.join(run_dir, HEALTH_CACHE, f"{node}.json")
         try:
             with open(self.path, encoding="utf-8") as handle:
@@ -102,6 +110,8 @@ class HashCache:
         except (OSError, ValueError):
             self.entries = {}
         self.hits = self.misses = 0
+        self.hashed = 0  # bytes read by this cache's misses
+        self.progress = progress
 
     def file_hash(self, path: str) -> dict[str, Any]:
         stat = os.stat(path)
@@ -110,10 +120,18 @@ class HashCache:
             self.hits += 1
         else:
             self.misses += 1
+            if stat.st_size >= LARGE_FILE:
+                log.info("health check: hashing %s (%.1f GB) on this node for the first time; later starts read "
+                         "its hash from %s", path, stat.st_size / 1e9, self.path)
             digest = hashlib.sha256()
+            reported = time.monotonic()
             with open(path, "rb") as handle:
                 while chunk := handle.read(CHUNK):
                     digest.update(chunk)
+                    self.hashed += len(chunk)
+                    if self.progress is not None and time.monotonic() - reported >= PROGRESS_EVERY:
+                        self.progress(self.hashed)
+                        reported = time.monotonic()
             self.entries[key] = digest.hexdigest()
         return {"size": stat.st_size, "sha256": self.entries[key]}
 
@@ -285,6 +303,7 @@ class Gate:
     data: Any  # training.data: a path or a list
     model: str
     gpus_per_node: int
+    progress: Optional[Callable[[int], None]] = None  # the rank's heartbeat, while the files are hashed
     phases: dict[str, float] = field(default_factory=dict)
 
     def _mark(self, phase: str, since: float) -> float:
@@ -305,7 +324,7 @@ class Gate:
             if self.gpus_per_node:
                 facts["gpus"] = gpu_facts(self.gpus_per_node)
             t = self._mark("versions and source", t)
-            cache = HashCache(self.run_dir, node)
+            cache = HashCache(self.run_dir, node, self.progress)
             try:
                 facts["data"] = {"path": _said(self.data), **data_hash(cache, self.data)}
             except (OSError, UserError) as exc:
@@ -401,9 +420,11 @@ def record(run_dir: str, outcome: dict[str, Any]) -> None:
         handle.write(json.dumps(summary) + "\n")
 
 
-def check(dist: Any, run_dir: str, data: Any, model: str, gpus_per_node: int) -> dict[str, Any]:
-    """Collective: runs the gate, rank 0 records it; raises HealthCheckFailed on every rank."""
-    gate = Gate(dist, run_dir, data, model, gpus_per_node)
+def check(dist: Any, run_dir: str, data: Any, model: str, gpus_per_node: int,
+          progress: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    """Collective: runs the gate, rank 0 records it; raises HealthCheckFailed on every rank.
+    `progress`: the rank's heartbeat, told the bytes hashed so far while a file is read."""
+    gate = Gate(dist, run_dir, data, model, gpus_per_node, progress)
     started = time.perf_counter()
     outcome = gate.run()
     outcome["seconds"] = round(time.perf_counter() - started, 3)

@@ -112,9 +112,10 @@ def store_folder(prepared_cache: Optional[str], run_dir: str) -> str:
     return os.path.abspath(prepared_cache) if prepared_cache else os.path.join(run_dir, PREPARED)
 
 
-def inputs_for(training: Any, folder: str) -> StoreInputs:
-    """The inputs of `training` (paths resolved); hashes of unchanged files come from the folder's cache."""
-    hashes = _HashCache(folder)
+def inputs_for(training: Any, folder: str, hashing: Optional[Callable[[int], None]] = None) -> StoreInputs:
+    """The inputs of `training` (paths resolved); hashes of unchanged files come from the folder's
+    cache. `hashing(bytes read so far)` is called about once a second while a file is hashed."""
+    hashes = _HashCache(folder, hashing)
     data = data_sha256(training.data, hashes)
     tokenizer = tokenizer_fingerprint(training.model, hashes, getattr(training, "model_revision", "main"))
     hashes.save()
@@ -163,9 +164,11 @@ def tokenizer_fingerprint(model: str, hashes: "_HashCache", revision: str = "mai
 
 
 class _HashCache:
-    """SHA-256 of files by (path, size, mtime), kept in the store folder."""
+    """SHA-256 of files by (path, size, mtime), kept in the store folder. `progress(bytes read)`
+    about once a second while a file is read: the first start on a large data set hashes it, for
+    longer than the start-up's hang bound may allow without a sign of life."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, progress: Optional[Callable[[int], None]] = None) -> None:
         self.path = os.path.join(folder, HASHES)
         try:
             with open(self.path, encoding="utf-8") as handle:
@@ -173,6 +176,7 @@ class _HashCache:
         except (OSError, ValueError):
             self.entries = {}
         self.changed = False
+        self.progress, self.read = progress, 0
 
     def file_sha256(self, path: str, field: str) -> str:
         try:
@@ -181,11 +185,21 @@ class _HashCache:
             raise UserError(f"{field}: file {path!r} does not exist") from None
         key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
         if key not in self.entries:
+            from jobgen.train.health import LARGE_FILE, PROGRESS_EVERY
+
+            if stat.st_size >= LARGE_FILE:
+                log.info("data: hashing %s (%.1f GB) to name its store; later starts read the hash from %s",
+                         path, stat.st_size / 1e9, self.path)
             digest = hashlib.sha256()
+            reported = time.monotonic()
             try:
                 with open(path, "rb") as handle:
                     while chunk := handle.read(1 << 24):
                         digest.update(chunk)
+                        self.read += len(chunk)
+                        if self.progress is not None and time.monotonic() - reported >= PROGRESS_EVERY:
+                            self.progress(self.read)
+                            reported = time.monotonic()
             except IsADirectoryError:
                 raise UserError(f"{field}: {path!r} is a directory; give a .json or .jsonl file") from None
             except OSError as exc:
@@ -744,10 +758,12 @@ def _write_json(path: str, payload: Any) -> None:
 
 def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], preparer: bool, processes: Optional[int] = None,
                  progress: Optional[Callable[[int, int, int], None]] = None,
-                 waiting: Optional[Callable[[float], None]] = None) -> tuple[StoredDataset, str]:
+                 waiting: Optional[Callable[[float], None]] = None,
+                 hashing: Optional[Callable[[int], None]] = None) -> tuple[StoredDataset, str]:
     """The store of `training` (paths resolved), prepared here if this process is a preparer and
     nobody has made it, else waited for. Returns it mapped, and prepare_once's outcome.
-    `tokenizer()` gives the tokenizer; only a preparation calls it (a restart loads none here)."""
+    `tokenizer()` gives the tokenizer; only a preparation calls it (a restart loads none here).
+    `hashing`: told the bytes read while the data is hashed to name the store."""
     from jobgen.job.conversations import read_samples
     from jobgen.job.sources import count_records
     from jobgen.train.data import ChatTokenizer
@@ -758,7 +774,7 @@ def ensure_store(training: Any, run_dir: str, tokenizer: Callable[[], Any], prep
     except OSError as exc:
         raise UserError(f"training.prepared_cache: cannot create {folder!r}: {exc.strerror}; give a folder "
                         "you can write, or remove the field to keep the store in the run directory") from None
-    inputs = inputs_for(training, folder)
+    inputs = inputs_for(training, folder, hashing)
     target = os.path.join(folder, store_key(inputs))
 
     def build(temp: str) -> None:

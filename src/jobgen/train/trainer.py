@@ -152,7 +152,7 @@ class Trainer:
         clock.mark("process group")
         if self.p.job.launch.health_check:
             # Before any weight is read: a node that differs ends the job here, in seconds.
-            health.check(dist, self.p.run_dir, t.data, t.model, self.p.job.resources.gpus_per_node)
+            health.check(dist, self.p.run_dir, t.data, t.model, self.p.job.resources.gpus_per_node, self.beat.progress)
             clock.mark("health check")
 
         _seed_all(t.seed)  # the same initial weights (LoRA init included) on every rank
@@ -261,7 +261,7 @@ class Trainer:
             shown(done, total, tokens)
 
         dataset, outcome = ensure_store(t, self.p.run_dir, tokenizer, preparer, progress=progress if preparer else None,
-                                        waiting=still_waiting)
+                                        waiting=still_waiting, hashing=self.beat.progress)
         # The eval set: eval_fraction's part of this store, or eval_data's own store.
         self.eval_set, eval_outcome = ensure_eval_store(t, self.p.run_dir, tokenizer, preparer, dataset,
                                                         progress=progress if preparer else None, waiting=still_waiting)
