@@ -124,3 +124,28 @@ def test_a_local_run_refuses_spares(tmp_path):
     assert result.returncode == 2
     assert ("resources.spare_nodes: local jobs cannot keep spare nodes (Slurm, PBS Pro and Torque jobs can); drop "
             "spare_nodes to run it here") in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "torque"])
+@pytest.mark.parametrize("own,up,excluded,chosen", [
+    # The node file's full names, pbsnodes' short ones: the bad node stays out, the others are asked for by pbsnodes' name.
+    (["n1.cluster.local", "n2.cluster.local"], ["n1", "n2", "n3"], ["n2.cluster.local"], "n1 n3"),
+    (["n1", "n2"], ["n1.cluster.local", "n2.cluster.local", "n3.cluster.local"], ["n2"], "n1.cluster.local n3.cluster.local"),
+    (["10.0.0.1", "10.0.0.2"], ["10.0.0.1", "10.0.0.2", "10.0.0.3"], ["10.0.0.2"], "10.0.0.1 10.0.0.3"),  # addresses whole
+    (["n1", "n2"], ["n1", "n2"], ["n2"], "n1"),  # too few: the script says so
+])
+def test_a_continuation_matches_node_file_and_pbsnodes_names_by_their_short_name(tmp_path, scheduler, own, up, excluded, chosen):
+    """PBS names a host in the node file one way and in pbsnodes maybe another
+    (node01.cluster.local, node01): the continuation's hosts, chosen by the script's own function."""
+    job = yaml.safe_load(_job(tmp_path).read_text())
+    job["resources"]["time_limit"] = "01:00:00"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = jobgen("render", "-s", scheduler, str(tmp_path / "job.yaml"))
+    assert result.returncode == 0, result.stderr
+    body = result.stdout[result.stdout.index("jobgen_continuation_hosts() {"):]
+    body = body[: body.index("\n}\n") + 3]
+    (tmp_path / "excluded-nodes").write_text("".join(f"{node}\n" for node in excluded))
+    program = f"set -o pipefail; JOBGEN_RUN_DIR={tmp_path}\n{body}" + 'jobgen_continuation_hosts 2 "$(printf "%s\\n" {})" {} | paste -sd" "'.format(
+        " ".join(up), " ".join(own))
+    shown = subprocess.run(["bash", "-c", program], capture_output=True, text=True)
+    assert (shown.returncode, shown.stdout.strip(), shown.stderr) == (0, chosen, "")
