@@ -5,7 +5,7 @@ and a node that fails ends the job at once, every node with it, its status in th
 - srun: the Slurm test cluster (tests/cluster).
 - pbsdsh, pbs_tmrsh: the real OpenPBS and Torque servers (tests/test_pbs_servers.py); ssh and
   mpiexec below run under the stand-in PBS of tests/test_pbs_scripts.py, whose tasks start bare.
-- ssh: an OpenSSH server on 127.0.0.1 that this module starts with its own host key and a client
+- ssh: an OpenSSH server on 127.0.0.1-3 that this module starts with its own host key and a client
   key it makes; the system's sshd and ~/.ssh are not used.
 - mpiexec: Debian's Open MPI and MPICH (hydra), installed side by side.
 Under PBS both "nodes" are 127.0.0.1, so placement cannot be seen: each node rank must appear once.
@@ -18,7 +18,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,8 @@ MODULE_SYSTEM_VARIABLES = re.compile(r"BASH_FUNC_.*|BASH_ENV|ENV|_{0,2}LMOD.*|_{
 MPIEXEC = {"openmpi": "/usr/bin/mpiexec.openmpi", "mpich": "/usr/bin/mpiexec.mpich"}
 FAIL_NODE_1 = 'if [[ $NODE_RANK == 1 ]]; then exit 3; fi'
 TWO_NODES = ["127.0.0.1", "127.0.0.1"]
+# Where the test's sshd listens: three hosts of a job, all this machine (Linux routes 127/8 to lo).
+SSH_ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +85,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory) -> list[str]:
-    """An OpenSSH server on 127.0.0.1 for this module's jobs; yields the jobs' launch.ssh_options,
+    """An OpenSSH server on 127.0.0.1, .2 and .3 for this module's jobs; yields the jobs' launch.ssh_options,
     an ssh config file with its port, the client key and its host key."""
     server = shutil.which("sshd") or shutil.which("sshd", path="/usr/sbin")
     if server is None or shutil.which("ssh") is None:
@@ -94,9 +95,11 @@ def sshd(tmp_path_factory) -> list[str]:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / key)], check=True)
     port = free_port()
     (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
-    (folder / "known_hosts").write_text(f"[127.0.0.1]:{port} {(folder / 'host_key.pub').read_text()}")
+    known = ",".join(f"[{address}]:{port}" for address in SSH_ADDRESSES)
+    (folder / "known_hosts").write_text(f"{known} {(folder / 'host_key.pub').read_text()}")
+    listen = "".join(f"ListenAddress {address}\n" for address in SSH_ADDRESSES)
     (folder / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {folder}/host_key\nAuthorizedKeysFile {folder}/authorized_keys\n"
+        f"Port {port}\n{listen}HostKey {folder}/host_key\nAuthorizedKeysFile {folder}/authorized_keys\n"
         f"PidFile {folder}/sshd.pid\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
     )
@@ -316,56 +319,23 @@ def test_srun_a_failing_node_ends_the_job(tmp_path: Path) -> None:
     assert "jobgen: training failed: the trainer left no report (srun (every node) exited with status 143)" in log
 
 
-# --- A spare node in a failed node's place, started by ssh or mpiexec ---------------------------
+# --- A spare node in a failed node's place, started by ssh --------------------------------------
 
 BAD_NODE_ONCE = 'if [[ $JOBGEN_RESTART_COUNT == 0 && $NODE_RANK == 1 ]]; then exit 75; fi'  # "this node is bad"
 
 
-def ssh_options_for(sshd: list[str], names: tuple[str, ...], folder: Path) -> list[str]:
-    """The test sshd's client options, its host key known under the names the job's ssh uses."""
-    config = Path(sshd[1]).read_text()
-    port = re.search(r"^\s*Port (\d+)$", config, re.M).group(1)
-    known = re.search(r"^\s*UserKnownHostsFile (\S+)$", config, re.M).group(1)
-    key = Path(known).read_text().split(" ", 1)[1]
-    (folder / "known_hosts").write_text(",".join(f"[{name}]:{port}" for name in names) + f" {key}")
-    (folder / "ssh_config").write_text(config.replace(known, str(folder / "known_hosts")))
-    return ["-F", str(folder / "ssh_config")]
-
-
-@pytest.mark.parametrize("launcher", ["ssh", "mpiexec"])
-def test_inside_a_slurm_allocation_a_failed_node_is_replaced_by_the_spare_that_ssh_or_mpiexec_starts(
-        launcher: str, slurm_side_cluster, sshd: list[str], tmp_path: Path) -> None:
-    """resources.spare_nodes: 1 with launch.launcher ssh, or mpiexec (Open MPI, which starts its
-    daemons with srun inside the allocation): node 1 says it is bad (75) at the first start, and
-    the job goes on at once, node 0 and the spare started by the same launcher, whose ranks reach
-    each other. The Slurm nodes' names resolve to this machine, where the test's sshd listens."""
-    name = f"spare-{launcher}"
-    config = slurm_probe_job(tmp_path, name, 2, 1, partition=slurm_side_cluster.side_partition, spare_nodes=1)
-    job = yaml.safe_load(config.read_text())
-    job["launch"]["launcher"] = launcher
-    if launcher == "ssh":
-        job["launch"]["ssh_options"] = ssh_options_for(sshd, slurm_side_cluster.side_nodes, tmp_path)
-    job["environment"] = {"setup": [BAD_NODE_ONCE]}
-    config.write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    if launcher == "mpiexec":
-        bin_dir = tmp_path / "openmpi-bin"
-        bin_dir.mkdir()
-        (bin_dir / "mpiexec").symlink_to(MPIEXEC["openmpi"])
-        env["PATH"] = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
-        if os.geteuid() == 0:
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    script = config.with_suffix(".sbatch")
-    assert jobgen("render", "-s", "slurm", str(config), "-o", str(script)).returncode == 0
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    run_dir = tmp_path / "runs" / f"jobgen-test-{name}"
-    assert wait_until_finished(job_id, timeout=600) == "COMPLETED", batch_log(run_dir)
+def test_stand_in_pbs_ssh_a_failed_node_is_replaced_by_the_spare_inside_the_job(sshd: list[str], tmp_path: Path, stand_in_pbs: dict) -> None:
+    """resources.spare_nodes: 1 with launch.launcher ssh: three hosts, three loopback addresses
+    where the test's sshd listens. Node 1 (127.0.0.2) says it is bad (75) at the first start; the
+    job goes on at once, ssh starting node 0 and the spare (127.0.0.3), whose ranks reach each other."""
+    job = pbs_job("ssh", modules=(), setup=(BAD_NODE_ONCE,), ssh_options=sshd)
+    job["resources"]["spare_nodes"] = 1
+    result = run_pbs_script(tmp_path, "pbs", job, list(SSH_ADDRESSES), stand_in_pbs, timeout=180)
+    run_dir = tmp_path / "runs" / "pbs-probe"
     log = batch_log(run_dir)
-    first, bad, spare = log.split(f"jobgen: job {job_id} (restart 0) on ", 1)[1].split(";")[0].replace("(spare: ", "").rstrip(")").split()
-    assert f"jobgen: restarting inside this allocation without node(s) {bad} on 2 node(s)" in log, log
-    assert f"jobgen: job {job_id} (restart 1) on {first} {spare};" in log, log
+    assert result.returncode == 0, log + result.stdout
+    assert "jobgen: restarting inside this allocation without node(s) 127.0.0.2 on 2 node(s)" in log, log
+    assert "(restart 1) on 127.0.0.1 127.0.0.3;" in log, log
     from tests.test_failure_kinds import outcomes
 
     assert outcomes(run_dir) == ["node_failed", "completed"]

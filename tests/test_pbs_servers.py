@@ -168,9 +168,10 @@ def assert_secret_reached_every_node(run_dir: Path, segments: int) -> None:
 
 
 def follow_continuations(server: PbsServer, folder: Path, run_dir: Path, first_id: str) -> list[dict]:
-    """Waits for the job and each continuation it submitted at its walltime; the segments."""
+    """Waits for the job and each continuation it submitted at its walltime; the segments. Up to
+    requeue.max_restarts (5) continuations: on a loaded machine each segment trains fewer steps."""
     job_id = first_id
-    for _ in range(5):
+    for _ in range(1 + 5):
         finished(server, job_id)
         log = (run_dir / "logs" / f"{job_id}.out").read_text()
         if "jobgen: continuation " not in log:

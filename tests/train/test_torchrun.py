@@ -151,3 +151,20 @@ def test_a_node_slow_at_the_exit_barrier_finds_the_store_still_there_delay_injec
         assert node.returncode == 0, output
         assert "Error waiting on exit barrier" not in output and "Traceback" not in output, output
         assert "Failed to recv" not in output, output
+
+
+def test_a_stop_signal_is_recorded_as_the_nodes_end_the_moment_it_arrives(tmp_path: Path, monkeypatch) -> None:
+    """A launcher may kill a node it ended (PBS's kill_delay) before its ranks have exited: the
+    signal itself is the node's recorded end (128+N), before torchrun's own handler runs."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from jobgen.train import torchrun
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # undone after the test
+    monkeypatch.setenv("JOBGEN_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("JOBGEN_NODE_NAME", "node7")
+    torchrun.record_at_a_stop_signal()
+    with pytest.raises(api.SignalException):
+        api._terminate_process_handler(signal.SIGTERM, None)
+    assert (tmp_path / "node-ends" / "1").read_text() == "143 node7 run\n"

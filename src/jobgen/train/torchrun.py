@@ -235,6 +235,23 @@ def record_node_end(status: int) -> None:
         sys.stderr.write(f"jobgen-torchrun: could not record this node's end ({error})\n")
 
 
+def record_at_a_stop_signal() -> None:
+    """A stop signal (SIGTERM, SIGHUP, ...) is recorded as this node's end (128+N) the moment it
+    arrives, not only once the ranks have exited: a launcher that ends a node may kill it before
+    then (PBS's kill_delay after pbsdsh ends a task, Slurm's KillWait), and a node that leaves no
+    record is taken for one that went down. torchrun's handler is a module function that the
+    ranks' process context installs by its name (torch 2.2 on): this one records, then runs it."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    handler = api._terminate_process_handler
+
+    def record_then_stop(signum, frame):
+        record_node_end(128 + signum)
+        handler(signum, frame)
+
+    api._terminate_process_handler = record_then_stop
+
+
 def exit_status(leaving: SystemExit) -> int:
     """The status a SystemExit ends the process with, as Python computes it."""
     return leaving.code if isinstance(leaving.code, int) else (0 if leaving.code is None else 1)
@@ -263,6 +280,7 @@ def run() -> None:
     if grace is not None and not torch_reads_shutdown_timeout():
         honour_shutdown_timeout(grace)
     outlive_the_exit_barrier()
+    record_at_a_stop_signal()
     export_tracker_environment()
     supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
     if supervisor is not None:
