@@ -30,17 +30,24 @@ pytestmark = pytest.mark.usefixtures("slurm_side_cluster")
 PARTITION = SlurmTestCluster.side_partition
 
 
-def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_finishes_exactly(
-        tmp_path: Path, tiny: Path, reference: dict) -> None:
-    config = job_file(tmp_path / "job", tiny, "spare", PARTITION, resources={"spare_nodes": 1})
+def spare_job_at_a_random_step(tmp_path: Path, tiny: Path, name: str) -> tuple[str, Path, list[str], int]:
+    """The 2-node job with one spare, submitted and followed to a random step from 3 to 7 with node
+    1's heartbeat published: its job id, run directory, allocated nodes and that step."""
+    config = job_file(tmp_path / "job", tiny, name, PARTITION, resources={"spare_nodes": 1})
     job_id = submit("jobgen-submit", config, step_delay=2)
-    run_dir = config.parent / "runs" / "jobgen-test-spare"
-    stop_at = random.randint(3, 7)
+    run_dir = config.parent / "runs" / f"jobgen-test-{name}"
+    at_step = random.randint(3, 7)
     wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
     allocated = hostnames(job_fields(job_id)["NodeList"])
     assert len(allocated) == 3, allocated
-    wait_for_step(run_dir, stop_at)
+    wait_for_step(run_dir, at_step)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    return job_id, run_dir, allocated, at_step
+
+
+def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_finishes_exactly(
+        tmp_path: Path, tiny: Path, reference: dict) -> None:
+    job_id, run_dir, allocated, stop_at = spare_job_at_a_random_step(tmp_path, tiny, "spare")
     stopped_at = hang_node(run_dir, 1)
     hang = json.loads((run_dir / "hang.json").read_text())
     detected = hang["at"] - stopped_at
@@ -78,15 +85,7 @@ def test_a_node_whose_processes_are_killed_is_replaced_by_the_spare_and_the_job_
     """All of node 1's processes are killed at once (SIGKILL, as when a node goes down): node 0's
     rank fails for want of its peer, node 1 records nothing, and the segment is a node failure
     naming node 1 (docs/exit-codes.md); the job restarts at once on node 0 and the spare."""
-    config = job_file(tmp_path / "job", tiny, "spare-kill", PARTITION, resources={"spare_nodes": 1})
-    job_id = submit("jobgen-submit", config, step_delay=2)
-    run_dir = config.parent / "runs" / "jobgen-test-spare-kill"
-    kill_at = random.randint(3, 7)
-    wait_for(lambda: job_fields(job_id).get("JobState") == "RUNNING", "the job to start", timeout=900, every=3)
-    allocated = hostnames(job_fields(job_id)["NodeList"])
-    assert len(allocated) == 3, allocated
-    wait_for_step(run_dir, kill_at)
-    wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat")
+    job_id, run_dir, allocated, kill_at = spare_job_at_a_random_step(tmp_path, tiny, "spare-kill")
     killed_at = kill_node(run_dir, 1)
     assert wait_until_done(job_id, timeout=600) == "COMPLETED"
     first, second = segments(run_dir)
