@@ -27,7 +27,7 @@ from tests.cluster.fixtures import SlurmTestCluster
 from tests.helpers import jobgen
 from tests.processes import hang_node, kill_node
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
-    MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
+    MAX_STEPS, assert_bitwise_equal, goodput_of, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
 )
 
@@ -119,7 +119,8 @@ def test_a_hung_node_is_named_excluded_and_the_job_finishes_exactly(tmp_path: Pa
     first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
-          f"first new step {first_new_step - stopped_at:.0f} s after the stop; process-group timeout 1800 s")
+          f"first new step {first_new_step - stopped_at:.0f} s after the stop; process-group timeout 1800 s; "
+          f"goodput {goodput_of(run_dir)}")
 
 
 def test_a_node_whose_processes_are_killed_is_excluded_and_the_job_continues_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
@@ -149,7 +150,8 @@ def test_a_node_whose_processes_are_killed_is_excluded_and_the_job_continues_exa
     assert_bitwise_equal(run_dir, reference)
     first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
                          if json.loads(line)["step"] == second["first_step"] + 1)
-    print(f"node killed at step ~{kill_at}: first new step {first_new_step - killed_at:.0f} s after the kill, in the continuation")
+    print(f"node killed at step ~{kill_at}: first new step {first_new_step - killed_at:.0f} s after the kill, in the continuation; "
+          f"goodput {goodput_of(run_dir)}")
 
 
 def test_a_node_stopped_during_a_checkpoint_save_is_named_and_the_job_finishes_exactly(

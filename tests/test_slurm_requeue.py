@@ -121,6 +121,15 @@ def segments(run_dir: Path) -> list[dict]:
     return pair_segments(events)
 
 
+def goodput_of(run_dir: Path) -> str:
+    """`jobgen status`'s goodput of the run (training time / time its segments held their nodes),
+    for the figures a test prints."""
+    from tests.helpers import jobgen as run_jobgen
+
+    found = json.loads(run_jobgen("status", str(run_dir), "--json").stdout).get("goodput")
+    return "-" if found is None else f"{found:.1%}"
+
+
 def assert_every_step_trained_once(run_dir: Path) -> None:
     assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
 

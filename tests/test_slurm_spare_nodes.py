@@ -21,7 +21,7 @@ from tests.helpers import jobgen
 from tests.processes import hang_node, kill_node
 from tests.test_slurm_health_hang import hostnames
 from tests.test_slurm_requeue import (  # noqa: F401 - fixtures: tiny, reference
-    MAX_STEPS, assert_bitwise_equal, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
+    MAX_STEPS, assert_bitwise_equal, goodput_of, job_fields, job_file, reference, segments, submit, tiny, trained_steps,
     wait_for, wait_for_step, wait_until_done,
 )
 
@@ -77,7 +77,7 @@ def test_a_hung_node_is_replaced_by_the_spare_inside_the_allocation_and_the_job_
     first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
                          if json.loads(line)["step"] == second["first_step"] + 1)
     print(f"spare nodes: hang at step ~{stop_at}: detected after {detected:.0f} s (bound {hang['bound_seconds']:.0f} s), "
-          f"first new step {first_new_step - stopped_at:.0f} s after the stop, inside the allocation")
+          f"first new step {first_new_step - stopped_at:.0f} s after the stop, inside the allocation; goodput {goodput_of(run_dir)}")
 
 
 def test_a_node_whose_processes_are_killed_is_replaced_by_the_spare_and_the_job_finishes_exactly(
@@ -101,7 +101,7 @@ def test_a_node_whose_processes_are_killed_is_replaced_by_the_spare_and_the_job_
                          if json.loads(line)["step"] == second["first_step"] + 1)
     ended = json.loads([line for line in (run_dir / "segments.jsonl").read_text().splitlines() if '"end"' in line][0])
     print(f"spare nodes: node killed at step ~{kill_at}: segment ended {ended_seconds(ended) - killed_at:.0f} s after the kill, "
-          f"first new step {first_new_step - killed_at:.0f} s after it, inside the allocation")
+          f"first new step {first_new_step - killed_at:.0f} s after it, inside the allocation; goodput {goodput_of(run_dir)}")
 
 
 def ended_seconds(record: dict) -> float:
