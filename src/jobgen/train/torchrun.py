@@ -246,7 +246,10 @@ def record_at_a_stop_signal() -> None:
     handler = api._terminate_process_handler
 
     def record_then_stop(signum, frame):
-        record_node_end(128 + signum)
+        try:
+            record_node_end(128 + signum)
+        except Exception as error:  # noqa: BLE001 - the stop itself must go on whatever the record does
+            sys.stderr.write(f"jobgen-torchrun: could not record this node's end ({error!r})\n")
         handler(signum, frame)
 
     api._terminate_process_handler = record_then_stop
