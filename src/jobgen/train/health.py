@@ -97,6 +97,20 @@ LARGE_FILE = 2**30
 PROGRESS_EVERY = 1.0  # seconds between progress reports while hashing
 
 
+def hash_into(digest: Any, handle: Any, chunk: int, done: int, progress: Optional[Callable[[int], None]]) -> int:
+    """Reads `handle` into `digest` by `chunk` bytes, telling `progress` the bytes read so far
+    (`done` before this file) about once a second; returns the new total. Both hash caches (this
+    module's, the store's) read files through it."""
+    reported = time.monotonic()
+    while block := handle.read(chunk):
+        digest.update(block)
+        done += len(block)
+        if progress is not None and time.monotonic() - reported >= PROGRESS_EVERY:
+            progress(done)
+            reported = time.monotonic()
+    return done
+
+
 class HashCache:
     """Content hashes by (path, size, mtime), one JSON file per node in RUN_DIR/health-cache.
     `progress(bytes hashed so far)` is called about once a second while a file is read: hashing
@@ -124,14 +138,8 @@ class HashCache:
                 log.info("health check: hashing %s (%.1f GB) on this node for the first time; later starts read "
                          "its hash from %s", path, stat.st_size / 1e9, self.path)
             digest = hashlib.sha256()
-            reported = time.monotonic()
             with open(path, "rb") as handle:
-                while chunk := handle.read(CHUNK):
-                    digest.update(chunk)
-                    self.hashed += len(chunk)
-                    if self.progress is not None and time.monotonic() - reported >= PROGRESS_EVERY:
-                        self.progress(self.hashed)
-                        reported = time.monotonic()
+                self.hashed = hash_into(digest, handle, CHUNK, self.hashed, self.progress)
             self.entries[key] = digest.hexdigest()
         return {"size": stat.st_size, "sha256": self.entries[key]}
 

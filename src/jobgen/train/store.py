@@ -185,21 +185,15 @@ class _HashCache:
             raise UserError(f"{field}: file {path!r} does not exist") from None
         key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
         if key not in self.entries:
-            from jobgen.train.health import LARGE_FILE, PROGRESS_EVERY
+            from jobgen.train.health import LARGE_FILE, hash_into
 
             if stat.st_size >= LARGE_FILE:
                 log.info("data: hashing %s (%.1f GB) to name its store; later starts read the hash from %s",
                          path, stat.st_size / 1e9, self.path)
             digest = hashlib.sha256()
-            reported = time.monotonic()
             try:
                 with open(path, "rb") as handle:
-                    while chunk := handle.read(1 << 24):
-                        digest.update(chunk)
-                        self.read += len(chunk)
-                        if self.progress is not None and time.monotonic() - reported >= PROGRESS_EVERY:
-                            self.progress(self.read)
-                            reported = time.monotonic()
+                    self.read = hash_into(digest, handle, 1 << 24, self.read, self.progress)
             except IsADirectoryError:
                 raise UserError(f"{field}: {path!r} is a directory; give a .json or .jsonl file") from None
             except OSError as exc:
