@@ -93,7 +93,7 @@ def _delete_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
 
 
-def _delete_leftovers() -> None:
+def delete_leftovers() -> None:
     """Namespaces of earlier runs whose process is gone (killed before its teardown), and this
     process's own (a pid used again)."""
     for name in _namespaces():
@@ -152,7 +152,7 @@ def start_sshd(host: Host, folder: Path) -> subprocess.Popen:
     return host.popen([server, "-D", "-e", "-f", str(config)], stderr=log, start_new_session=True)
 
 
-def _ssh_setup(folder: Path, hosts: tuple[Host, ...]) -> list[str]:
+def ssh_setup(folder: Path, hosts: tuple[Host, ...]) -> list[str]:
     for key in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / key)], check=True)
     (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
@@ -165,7 +165,7 @@ def _ssh_setup(folder: Path, hosts: tuple[Host, ...]) -> list[str]:
     return ["-F", str(folder / "ssh_config")]
 
 
-def _wait_for_ssh(hosts: tuple[Host, ...], options: list[str], servers: list[subprocess.Popen], folder: Path) -> None:
+def wait_for_ssh(hosts: tuple[Host, ...], options: list[str], servers: list[subprocess.Popen], folder: Path) -> None:
     """Until every host reaches every host (itself included) by name."""
     deadline = time.time() + 20
     for source in hosts:
@@ -187,14 +187,14 @@ def separate_hosts(tmp_path_factory):
         cannot_run("separate hosts need iproute2 and OpenSSH: apt-get install -y iproute2 openssh-server openssh-client (scripts/test does it)")
     folder = tmp_path_factory.mktemp("hosts")
     prefix = f"{PREFIX}{os.getpid()}-"
-    _delete_leftovers()
+    delete_leftovers()
     servers: list[subprocess.Popen] = []
     try:
         hosts = make_hosts(folder, 2, prefix)
-        options = _ssh_setup(folder, hosts)
+        options = ssh_setup(folder, hosts)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         servers = [start_sshd(host, folder) for host in hosts]
-        _wait_for_ssh(hosts, options, servers, folder)
+        wait_for_ssh(hosts, options, servers, folder)
         yield SeparateHosts(hosts, options)
     finally:
         for server in servers:
@@ -204,10 +204,10 @@ def separate_hosts(tmp_path_factory):
                 server.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 server.kill()
-        _delete_leftovers_of(prefix)
+        delete_leftovers_of(prefix)
 
 
-def _delete_leftovers_of(prefix: str) -> None:
+def delete_leftovers_of(prefix: str) -> None:
     for name in _namespaces():
         if name.startswith(prefix):
             _delete_namespace(name)
