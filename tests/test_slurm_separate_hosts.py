@@ -6,6 +6,7 @@ each node mounts on its own."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,11 @@ from pathlib import Path
 import yaml
 
 from tests.cluster.hosts import REAL_INTERFACE
+from tests.helpers import adapter, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
+from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 
 
 def test_slurm_nodes_are_separate_hosts_whose_names_resolve_nowhere(slurm_on_hosts) -> None:
@@ -24,13 +29,13 @@ def test_slurm_nodes_are_separate_hosts_whose_names_resolve_nowhere(slurm_on_hos
         assert host.run(["getent", "hosts", "cn001"], capture_output=True).returncode != 0
 
 
-def submit(cluster, name: str, job: dict) -> tuple[str, Path]:
+def submit(cluster, name: str, job: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
     """`jobgen submit` of `job` on the login node, from the shared folder; the job id and the run
     directory as this machine sees it (the file server's folder)."""
     job["name"] = name
     (cluster.served / name).mkdir()
     (cluster.served / name / "job.yaml").write_text(yaml.safe_dump(job))
-    submitted = cluster.on_login([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", f"{name}/job.yaml"])
+    submitted = cluster.on_login([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", f"{name}/job.yaml"], env=env or {})
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     return submitted.stdout.strip().split()[-1], cluster.served / "runs" / name
 
@@ -53,3 +58,57 @@ def test_jobgen_slurm_ranks_on_separate_hosts_meet_at_the_first_nodes_address(sl
     first = slurm_on_hosts.hosts[0].address
     assert summary == [(str(rank), f"host{rank // 2 + 1}", f"cn00{rank // 2 + 1}", first, REAL_INTERFACE, 10)
                        for rank in range(4)]
+
+
+def job_state(cluster, job_id: str) -> dict[str, str]:
+    shown = cluster.on_login(["scontrol", "-o", "show", "job", job_id]).stdout
+    return dict(word.split("=", 1) for word in shown.split() if "=" in word)
+
+
+def wait_for(condition, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(1)
+    return value
+
+
+def training(cluster) -> dict:
+    tiny = cluster.served / "tiny"
+    if not tiny.exists():
+        subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    model, data = cluster.shared / "tiny" / "model", cluster.shared / "tiny" / "data.json"
+    return {
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00"},
+        "launch": {"procs_per_node": 1},
+        "training": {"model": str(model), "data": str(data), "method": "lora", "precision": "fp32",
+                     "per_device_batch_size": 2, "max_length": 64, "max_steps": MAX_STEPS, "save_interval": SAVE_INTERVAL},
+        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+    }
+
+
+def test_jobgen_slurm_training_preempted_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(slurm_on_hosts) -> None:
+    # The checkpoint is written through host1's mount and read back through each host's own, whose
+    # caches show the other's writes late; the data store is prepared once for both hosts.
+    cluster = slurm_on_hosts
+    job_id, reference_dir = submit(cluster, "reference", training(cluster))
+    assert wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
+                    "the reference run", 300) == "COMPLETED"
+    reference = adapter(reference_dir)
+
+    job_id, run_dir = submit(cluster, "preempted", training(cluster), env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 2 for step in trained_steps(run_dir)), "step 2", 300)
+    preemptor = cluster.on_login(["sbatch", "-p", "high", "--exclusive", "-N2", "--output=/dev/null", "--wrap", "sleep 3"])
+    assert preemptor.returncode == 0, preemptor.stderr
+    wait_for(lambda: job_state(cluster, job_id).get("JobState") == "PENDING" and job_state(cluster, job_id).get("Restarts") == "1",
+             "the requeue", 120)
+    time.sleep(3)  # Slurm's clean-up of the last allocation (see tests/test_slurm_requeue.py)
+    assert cluster.on_login(["scontrol", "update", f"JobId={job_id}", "StartTime=now"]).returncode == 0
+    assert wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
+                    "the resumed run", 300) == "COMPLETED"
+    first, second = segments(run_dir)
+    assert (first["outcome"], second["outcome"]) == ("preempted", "completed")
+    assert second["first_step"] == first["last_step"] >= 2
+    assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)

@@ -74,7 +74,7 @@ class SlurmOnHosts:
 
     def on_login(self, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
         """`argv` on the login node with the cluster's environment, in the shared folder."""
-        return self.login.run(argv, env={**os.environ, **self.env}, cwd=self.shared, capture_output=True,
+        return self.login.run(argv, env={**os.environ, **self.env, **kwargs.pop("env", {})}, cwd=self.shared, capture_output=True,
                               text=True, timeout=timeout, **kwargs)
 
 
@@ -134,7 +134,10 @@ SlurmdLogFile={state}/slurmd-%n.log
 MessageTimeout=10
 SlurmdTimeout=30
 MinJobAge=300
-{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
 
 
@@ -205,7 +208,9 @@ def _wait_for_nodes(cluster: SlurmOnHosts, state: Path) -> None:
 @pytest.fixture(scope="session")
 def slurm_on_hosts():
     """Slurm (slurmctld on host1, a slurmd on host1 and on host2) over separate hosts, with a
-    shared folder on sshfs; all stopped and deleted at the end of the session."""
+    shared folder on sshfs; all stopped and deleted at the end of the session. Partitions as the
+    Slurm test cluster's: `debug` (default; preempted and requeued after GraceTime=30 s) and
+    `high`, whose exclusive jobs preempt it."""
     if os.geteuid() != 0:
         cannot_run("Slurm on separate hosts needs root (network namespaces, FUSE mounts, slurmd)")
     for tool in ("slurmctld", "slurmd", "munged", "sshfs", "nsenter", "ip"):
