@@ -10,6 +10,7 @@ import yaml
 
 from tests.cluster.hosts import DECOY_INTERFACE, REAL_INTERFACE
 from tests.helpers import jobgen
+from tests.test_launchers import mpi  # noqa: F401 (a fixture)
 from tests.test_pbs_scripts import probe_job, stand_in_pbs  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_records
 
@@ -43,10 +44,11 @@ def test_hosts_reach_each_other_by_name_over_ssh_only_on_the_real_interface(sepa
 # --- A job across them --------------------------------------------------------------------------
 
 
-def run_on_first_host(separate_hosts, tmp_path: Path, job: dict, env: dict[str, str], timeout: int = 180) -> subprocess.CompletedProcess:
+def run_on_first_host(separate_hosts, tmp_path: Path, job: dict, env: dict[str, str], timeout: int = 180,
+                      launcher: str = "ssh") -> subprocess.CompletedProcess:
     """The PBS script of `job`, started on host1 as MoM would (the stand-in PBS's variables, a
-    node file naming host1 and host2); its nodes are started by the ssh launcher on each host."""
-    job["launch"].update(launcher="ssh", ssh_options=separate_hosts.ssh_options)
+    node file naming host1 and host2); its nodes are started by `launcher` on each host."""
+    job["launch"].update(launcher=launcher, **({"ssh_options": separate_hosts.ssh_options} if launcher == "ssh" else {}))
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     script = tmp_path / "job.pbs.sh"
@@ -77,3 +79,19 @@ def test_stand_in_pbs_ssh_an_interface_the_submitting_shell_names_is_kept(separa
     assert result.returncode == 0, jobgen("logs", str(run_dir), "--node", "1").stdout[-3000:]
     assert [record["GLOO_SOCKET_IFNAME"] for record in probe_records(run_dir)] == [REAL_INTERFACE, REAL_INTERFACE]
     assert "sockets on" not in jobgen("logs", str(run_dir), "--node", "1").stdout
+
+
+def test_stand_in_pbs_mpiexec_starts_each_node_on_its_own_host(separate_hosts, tmp_path: Path, stand_in_pbs: dict, mpi) -> None:
+    # mpiexec reaches the other host with ssh (a user's ~/.ssh/config, here a wrapper naming the
+    # fixture's), and its daemons call back over the one interface of each host that routes.
+    wrapper = tmp_path / "sshbin"
+    wrapper.mkdir()
+    (wrapper / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh {" ".join(separate_hosts.ssh_options)} "$@"\n')
+    (wrapper / "ssh").chmod(0o755)
+    env = {**stand_in_pbs, **mpi.env, "PATH": f"{wrapper}:{mpi.env['PATH']}"}
+    job = probe_job(2, 1)
+    result = run_on_first_host(separate_hosts, tmp_path, job, env, launcher="mpiexec")
+    run_dir = tmp_path / "runs" / "pbs-probe"
+    assert result.returncode == 0, result.stdout[-3000:] + jobgen("logs", str(run_dir), "--node", "1").stdout[-3000:]
+    records = probe_records(run_dir)
+    assert [(record["hostname"], record["all_reduce_sum"]) for record in records] == [("host1", 3), ("host2", 3)]
