@@ -160,6 +160,34 @@ def test_stand_in_pbs_a_nodefile_with_the_wrong_node_count_stops_with_a_clear_me
     assert message in jobgen("logs", str(tmp_path / "runs" / "pbs-probe")).stdout
 
 
+def test_stand_in_torque_nodes_packed_onto_one_host_are_refused_with_the_reason(tmp_path: Path, stand_in_pbs) -> None:
+    # A scheduler without exact node matching gives nodes=2:ppn=4 as 8 cores of one host: two
+    # "nodes" would start on one machine and fight for its GPUs. The header asks Moab for exact
+    # matching; a job packed anyway stops before it starts anything.
+    job = probe_job(2, 4)
+    header = jobgen("render", "-s", "torque", str(write_yaml(tmp_path / "header.yaml", job))).stdout
+    assert "#PBS -W x=nmatchpolicy:exactnode" in header.splitlines()
+    result = run_pbs_script(tmp_path, "torque", job, ["tq0"] * 8, stand_in_pbs)
+    assert result.returncode == 2
+    said = [line for line in jobgen("logs", str(tmp_path / "runs" / "pbs-probe")).stdout.splitlines() if line.startswith("jobgen: ")]
+    assert said[-2:] == [
+        "jobgen: the job file asks for 2 nodes but the scheduler gave 1 (tq0)",
+        "jobgen: the node file lists tq0 x8: the scheduler packed the job's nodes onto fewer hosts. Moab honours the "
+        "header's -W x=nmatchpolicy:exactnode; under Maui the site sets JOBNODEMATCHPOLICY EXACTNODE in maui.cfg",
+    ]
+    assert not (tmp_path / "runs" / "pbs-probe" / "probe").exists()
+
+
+def test_torque_asks_for_exact_node_matching_only_for_several_nodes(tmp_path: Path) -> None:
+    one_node = jobgen("render", "-s", "torque", str(write_yaml(tmp_path / "one.yaml", probe_job(1, 4)))).stdout
+    assert "#PBS -W x=nmatchpolicy:exactnode" not in one_node.splitlines() and "#PBS -l nodes=1:ppn=4" in one_node
+
+
+def write_yaml(path: Path, job: dict) -> Path:
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
 def lora_job(tmp_path: Path, name: str, **requeue) -> dict:
     subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
     return {

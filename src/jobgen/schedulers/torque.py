@@ -39,6 +39,10 @@ class Torque(PbsPro):
         res = job.resources
         options = [f"-N {self.job_name(job)}", f"-l nodes={res.allocated_nodes}:{self.chunk(job)}",
                    f"-l walltime={hms(res.time_limit_seconds)}"]
+        if res.allocated_nodes > 1:
+            # Moab, without exact node matching, may pack nodes=2:ppn=4 onto one host with 8
+            # cores; this extension asks it for N distinct hosts. pbs_sched accepts and ignores it.
+            options.append("-W x=nmatchpolicy:exactnode")
         if res.memory_mb:
             options.append(f"-l mem={memory_text(res.memory_mb * res.allocated_nodes, 'gb', 'mb')}")
         if res.exclusive:

@@ -39,6 +39,8 @@ BLOCKS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                   "jobgen_master_addr where the first host's name is not what the other nodes reach (with a function "
                   "jobgen_address_of HOST for a master that spare nodes change)", frozenset()),
         "restarts": ("filled by the scheduler's template: restarts its variables do not count", frozenset()),
+        "too_few_hosts": ("filled by the scheduler's template: why it gave fewer hosts than the job's nodes, "
+                          "after the line that says so", frozenset()),
         "stop_by_term": ("filled by the scheduler's template: what SIGTERM to the batch shell means", frozenset()),
         "timers": ("filled by the scheduler's template: warnings before the time limit", frozenset()),
         "launch": ("the per-node launch: starts node.sh on every node (binding flags, pyxis options)", frozenset(
