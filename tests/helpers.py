@@ -4,8 +4,10 @@ package as pip lays it out."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +97,21 @@ def assert_bitwise_equal(run_dir: Path, reference: dict) -> None:
     assert weights.keys() == reference.keys()
     different = [name for name in weights if not torch.equal(weights[name], reference[name])]
     assert not different, f"{len(different)} adapter tensors differ from the uninterrupted run, e.g. {different[0]}"
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free now, below the kernel's ephemeral range. A port the kernel hands
+    out for bind(0) is one any outgoing connection may take next, before the test's job binds it
+    (EADDRINUSE, seen in CI under load); jobgen's own ports stay below that range for the same
+    reason (README, MASTER_PORT)."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    choose = random.SystemRandom()
+    for _ in range(200):
+        port = choose.randrange(20000, max(ephemeral_low, 20001))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 20000 and {ephemeral_low}")

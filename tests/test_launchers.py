@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import cannot_run, jobgen
+from tests.helpers import cannot_run, free_port, jobgen
 from tests.test_pbs_scripts import stand_in_pbs, probe_job, run_pbs_script, write_commands  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_job as slurm_probe_job
 from tests.test_slurm_submit import node_addr, probe_records, submit_by_hand, wait_until_finished
@@ -75,12 +75,6 @@ def module_system(request, tmp_path: Path) -> dict[str, str]:
     if home is None:
         cannot_run("Environment Modules is not installed: tests/modules/install-environment-modules.sh (scripts/test runs it)")
     return {"MODULEPATH": str(modulefiles), "MODULESHOME": str(home)}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

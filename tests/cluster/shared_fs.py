@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cannot_run
+from tests.helpers import cannot_run, free_port
 
 SSHD = "/usr/sbin/sshd"
 # Seconds each mount trusts what it has seen: NFS's acregmin, and its cached "no such file".
@@ -40,12 +40,6 @@ class SharedFolder:
     mounts: tuple[Path, ...]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_sshd(state: Path) -> tuple[subprocess.Popen, int, Path]:
     key = state / "client_key"
     host_key = state / "host_key"
@@ -53,7 +47,7 @@ def _start_sshd(state: Path) -> tuple[subprocess.Popen, int, Path]:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
     authorized = state / "authorized_keys"
     shutil.copy(f"{key}.pub", authorized)
-    port = _free_port()
+    port = free_port()
     config = state / "sshd_config"
     config.write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\nPidFile none\nAuthorizedKeysFile {authorized}\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import free_port
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def subprocess_env(**extra: str) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import free_port
 from tests.processes import descendants, signal_all
 
 SETTINGS = dict(epochs=1, save_interval=2)  # 6 steps; saves at 2, 4, 6
@@ -34,12 +34,6 @@ def uninterrupted(tiny, tools, tmp_path_factory):
     done = tools.train(job)
     assert done.returncode == 0, done.stdout
     return tools.adapter_weights(job.parent / "output")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kill_whole_job(proc: subprocess.Popen) -> None:

@@ -104,7 +104,7 @@ def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_pat
 def test_a_hub_model_the_hub_cannot_give_is_one_line_at_once(tmp_path, tiny):
     # Not in the (empty) cache, and HF_ENDPOINT a closed port: huggingface_hub's own client
     # retried each request for about a minute, printing two dozen lines, before its error.
-    from tests.train.conftest import free_port
+    from tests.helpers import free_port
 
     job = _job(tmp_path, tiny, model="Qwen/Qwen-14B")
     endpoint = f"http://127.0.0.1:{free_port()}"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from jobgen.job.conversations import load_conversations
-from tests.train.conftest import free_port
+from tests.helpers import free_port
 
 STEPS = 2
 

@@ -87,7 +87,7 @@ def test_the_jobs_variables_choose_its_cache_else_the_users(monkeypatch) -> None
 
 
 def write_job(folder: Path, tiny: Path, hf_home: Path, model: str = MODEL, name: str = "hub", steps: int = 2, **training) -> Path:
-    from tests.train.conftest import free_port
+    from tests.helpers import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(tiny / "data.json", folder / "data.json")

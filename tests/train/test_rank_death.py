@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from tests.train.conftest import free_port, subprocess_env, wait_for_step
+from tests.helpers import free_port
+from tests.train.conftest import subprocess_env, wait_for_step
 from tests.processes import ranks_of
 
 

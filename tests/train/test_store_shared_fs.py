@@ -17,7 +17,8 @@ import yaml
 from jobgen.job.models import Training
 from jobgen.train.store import COMPLETE, ensure_store
 from jobgen.train.modeling import load_tokenizer
-from tests.train.conftest import free_port, subprocess_env
+from tests.helpers import free_port
+from tests.train.conftest import subprocess_env
 
 
 @pytest.fixture(scope="module")

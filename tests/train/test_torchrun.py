@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import free_port
+from tests.helpers import free_port
 
 RANK = str(Path(__file__).with_name("slow_checkpoint_rank.py"))
 

@@ -40,6 +40,11 @@ import sys
 import threading
 import time
 
+# At the top, not inside record_node_end: it runs in a signal handler too, where an import may
+# meet one the main thread has half done (under OpenPBS's preemption the record once raised there).
+from jobgen.files import replace_atomically
+from jobgen.rundir.files import NODE_ENDS
+
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 REPORT_TO_ENV = "JOBGEN_REPORT_TO"  # launch.report_to, comma-separated, set by node.sh
 
@@ -224,9 +229,6 @@ def record_node_end(status: int) -> None:
     run_dir, rank = os.environ.get("JOBGEN_RUN_DIR"), os.environ.get("NODE_RANK", "")
     if not run_dir or not rank.isdigit():
         return
-    from jobgen.files import replace_atomically
-    from jobgen.rundir.files import NODE_ENDS
-
     name = os.environ.get("JOBGEN_NODE_NAME") or socket.gethostname()
     try:
         os.makedirs(os.path.join(run_dir, NODE_ENDS), exist_ok=True)
