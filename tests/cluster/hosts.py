@@ -93,12 +93,13 @@ def _delete_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
 
 
-def delete_leftovers() -> None:
-    """Namespaces of earlier runs whose process is gone (killed before its teardown), and this
-    process's own (a pid used again)."""
+def delete_leftovers(prefix: str) -> None:
+    """Namespaces of earlier runs whose process is gone (killed before its teardown), and those of
+    `prefix` (this fixture's in this process: a pid used again). Another fixture's of this process
+    (another prefix) are in use."""
     for name in _namespaces():
-        owner = re.fullmatch(rf"{PREFIX}(\d+)-.*", name)
-        if owner and (int(owner[1]) == os.getpid() or not Path(f"/proc/{owner[1]}").exists()):
+        owner = re.match(rf"{PREFIX}(\d+)\D", name)
+        if name.startswith(prefix) or (owner and not Path(f"/proc/{owner[1]}").exists()):
             _delete_namespace(name)
 
 
@@ -187,7 +188,7 @@ def separate_hosts(tmp_path_factory):
         cannot_run("separate hosts need iproute2 and OpenSSH: apt-get install -y iproute2 openssh-server openssh-client (scripts/test does it)")
     folder = tmp_path_factory.mktemp("hosts")
     prefix = f"{PREFIX}{os.getpid()}-"
-    delete_leftovers()
+    delete_leftovers(prefix)
     servers: list[subprocess.Popen] = []
     try:
         hosts = make_hosts(folder, 2, prefix)

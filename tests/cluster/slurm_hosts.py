@@ -225,7 +225,7 @@ def slurm_on_hosts():
         folder.mkdir(parents=True)
     served.chmod(0o777)
     prefix = f"{separate.PREFIX}{os.getpid()}s-"
-    separate.delete_leftovers()
+    separate.delete_leftovers(prefix)
     servers: list[subprocess.Popen] = []
     keepers: list[int] = []
     try:
