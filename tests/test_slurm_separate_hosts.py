@@ -6,15 +6,20 @@ each node mounts on its own."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
+from jobgen.train.heartbeat import detection_delay
 from tests.cluster.hosts import REAL_INTERFACE
+from tests.cluster.slurm_hosts import CACHE_SECONDS
 from tests.helpers import adapter, assert_bitwise_equal
+from tests.processes import hang_node
 from tests.test_pbs_scripts import probe_job
 from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps
 
@@ -88,27 +93,70 @@ def training(cluster) -> dict:
     }
 
 
-def test_jobgen_slurm_training_preempted_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(slurm_on_hosts) -> None:
+def ended(cluster, job_id: str, timeout: float = 300) -> str:
+    return wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
+                    f"job {job_id} to end", timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_on_hosts) -> dict:
+    """The training run once without interruption on these hosts: its adapter."""
+    job_id, run_dir = submit(slurm_on_hosts, "reference", training(slurm_on_hosts))
+    assert ended(slurm_on_hosts, job_id) == "COMPLETED"
+    return adapter(run_dir)
+
+
+def test_jobgen_slurm_training_preempted_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(
+        slurm_on_hosts, reference: dict) -> None:
     # The checkpoint is written through host1's mount and read back through each host's own, whose
     # caches show the other's writes late; the data store is prepared once for both hosts.
     cluster = slurm_on_hosts
-    job_id, reference_dir = submit(cluster, "reference", training(cluster))
-    assert wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
-                    "the reference run", 300) == "COMPLETED"
-    reference = adapter(reference_dir)
-
     job_id, run_dir = submit(cluster, "preempted", training(cluster), env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
     wait_for(lambda: any(step >= 2 for step in trained_steps(run_dir)), "step 2", 300)
-    preemptor = cluster.on_login(["sbatch", "-p", "high", "--exclusive", "-N2", "--output=/dev/null", "--wrap", "sleep 3"])
+    preemptor = cluster.on_login(["sbatch", "-p", "high", "--exclusive", f"-N{len(cluster.node_names)}", "--output=/dev/null",
+                                  "--wrap", "sleep 3"])
     assert preemptor.returncode == 0, preemptor.stderr
     wait_for(lambda: job_state(cluster, job_id).get("JobState") == "PENDING" and job_state(cluster, job_id).get("Restarts") == "1",
              "the requeue", 120)
     time.sleep(3)  # Slurm's clean-up of the last allocation (see tests/test_slurm_requeue.py)
     assert cluster.on_login(["scontrol", "update", f"JobId={job_id}", "StartTime=now"]).returncode == 0
-    assert wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
-                    "the resumed run", 300) == "COMPLETED"
+    assert ended(cluster, job_id) == "COMPLETED"
     first, second = segments(run_dir)
     assert (first["outcome"], second["outcome"]) == ("preempted", "completed")
     assert second["first_step"] == first["last_step"] >= 2
     assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
+
+
+def test_jobgen_slurm_a_hung_first_node_on_separate_hosts_is_replaced_by_the_spare_and_the_master_moves(
+        slurm_on_hosts, reference: dict) -> None:
+    # Node 0 is the rendezvous: without it the restart's master is another host, whose NodeAddr
+    # (not its NodeName, which resolves nowhere) the ranks must be given. The heartbeats the hang
+    # supervisor reads are the other host's, through its own mount's cache.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    job_id, run_dir = submit(cluster, "spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    stop_at = random.randint(3, 7)
+    wait_for(lambda: any(step >= stop_at for step in trained_steps(run_dir)), f"step {stop_at}", 300)
+    wait_for(lambda: (run_dir / "heartbeat" / "node-0.json").exists(), "node 0's heartbeat", 60)
+    stopped_at = hang_node(run_dir, 0)
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert hang["nodes"] == "cn001", hang
+    # Within the bound and the supervisors' own delays, and those of each mount's cache.
+    assert hang["at"] - stopped_at <= hang["bound_seconds"] + detection_delay(len(cluster.node_names)) + CACHE_SECONDS, hang
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    assert (first["outcome"], second["outcome"], second["restart"], second["job_id"]) == ("hung", "completed", 1, job_id)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: job {job_id} (restart 1) on cn002 cn003;" in log, log
+    # The restart's ranks met at host2's address, on its routed interface.
+    restarted = (run_dir / "logs" / f"{job_id}-node0.out").read_text()
+    assert f"sockets on {REAL_INTERFACE}, the interface toward {cluster.hosts[1].address}" in restarted, restarted[-3000:]
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(line)["step"] == second["first_step"] + 1)
+    print(f"separate hosts, spare: node 0 hung at step ~{stop_at}: detected after {hang['at'] - stopped_at:.0f} s "
+          f"(bound {hang['bound_seconds']:.0f} s, phase {hang['phase']}, by node {hang['detected_by_node']}), "
+          f"first new step {first_new_step - stopped_at:.0f} s after the stop")

@@ -4,7 +4,7 @@ The Slurm test cluster of slurm-cluster.sh runs ten slurmd on one kernel, at 127
 names that /etc/hosts resolves. Here each node is a separate host of tests/cluster/hosts.py (its
 own network namespace, address, hostname, a Debian /etc/hosts and a first interface that routes
 nowhere) and runs its own slurmd; host1 also runs slurmctld and is the login node. The NodeNames
-(cn001, cn002) resolve nowhere, as on clusters whose node names are only Slurm's: NodeAddr is
+(cn001..cn003) resolve nowhere, as on clusters whose node names are only Slurm's: NodeAddr is
 the way to reach a node. The shared folder (run directories, the model, the data) is a folder of
 host1 that every host mounts on its own with sshfs, at one path: each mount caches attributes
 and missing names for a few seconds and its locks hold within that mount only, as NFS with local
@@ -31,7 +31,7 @@ import pytest
 from tests.cluster import hosts as separate
 from tests.helpers import cannot_run
 
-NODE_NAMES = ("cn001", "cn002")  # Slurm's names; no host resolves them
+NODE_NAMES = ("cn001", "cn002", "cn003")  # Slurm's names; no host resolves them
 CACHE_SECONDS = 3  # each mount's attribute and negative cache, as NFS's acregmin
 LOGIN = 0  # host1: slurmctld, and where users submit
 
@@ -104,7 +104,7 @@ def slurm_conf(state: Path, hosts: tuple[separate.Host, ...]) -> str:
     layout = " ".join(word for word in machine.split() if not word.startswith("NodeName="))
     nodes = "".join(f"NodeName={name} NodeHostname={host.name} NodeAddr={host.address} {layout}\n"
                     for name, host in zip(NODE_NAMES, hosts))
-    return f"""# Written by tests/cluster/slurm_hosts.py: two nodes on separate hosts.
+    return f"""# Written by tests/cluster/slurm_hosts.py: nodes on separate hosts.
 ClusterName=jobgen-hosts
 SlurmctldHost={hosts[LOGIN].name}({hosts[LOGIN].address})
 SlurmctldPort=6817
@@ -163,8 +163,15 @@ def _keep(host: separate.Host, state: Path, mount: Path, served: Path, ssh_optio
             pytest.fail(f"{host.name} could not mount the shared folder: {(state / f'{host.name}.keeper.log').read_text()}",
                         pytrace=False)
         time.sleep(0.1)
-    # The sleeping process: the last of the keeper's chain (nsenter, unshare, sh -> sleep).
-    return _descendant_named(keeper.pid, "sleep")
+    # The sleeping process: the last of the keeper's chain (nsenter, unshare, sh -> sleep), once
+    # the shell that touched `ready` has become it.
+    while True:
+        try:
+            return _descendant_named(keeper.pid, "sleep")
+        except (LookupError, OSError):
+            if keeper.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _descendant_named(pid: int, name: str) -> int:
@@ -207,7 +214,7 @@ def _wait_for_nodes(cluster: SlurmOnHosts, state: Path) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_on_hosts():
-    """Slurm (slurmctld on host1, a slurmd on host1 and on host2) over separate hosts, with a
+    """Slurm (slurmctld on host1, a slurmd on each of host1..host3) over separate hosts, with a
     shared folder on sshfs; all stopped and deleted at the end of the session. Partitions as the
     Slurm test cluster's: `debug` (default; preempted and requeued after GraceTime=30 s) and
     `high`, whose exclusive jobs preempt it."""

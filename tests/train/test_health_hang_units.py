@@ -176,6 +176,28 @@ def test_a_node_whose_summary_stops_changing_is_silent_by_the_readers_own_clock(
     assert [(r["rank"], r["state"]) for r in first] == [(2, "silent node")]
 
 
+def test_a_summary_that_cannot_be_read_for_a_moment_is_the_one_last_read_and_then_silent(tmp_path: Path) -> None:
+    """A network file system may fail a read while a summary is replaced (ESTALE, "no such file").
+    Seen on the sshfs hosts: a node dropping out of one read and back counted as progress, and a
+    hang of 60 s was detected after 160 to 280 s. The summary last read stands in; one unreadable
+    for longer than node_silent keeps its sequence number, so its node turns silent."""
+    shared = tmp_path / "heartbeat"
+    shared.mkdir()
+    summary = {"job_id": "5", "restart": "0", "seq": 1, "at": 0, "ranks": [
+        {"rank": 1, "node": "gpu1", "step": 9, "waiting": True, "alive": True, "state": "waiting"}]}
+    (shared / "node-1.json").write_text(json.dumps(summary))
+    reader_clock = [1000.0]
+    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=2, override=None, clock=lambda: reader_clock[0])
+    mine = [{"rank": 0, "node": "gpu0", "step": 9, "waiting": False, "alive": False, "state": "stopped"}]
+    read = supervisor.all_ranks(mine)
+    (shared / "node-1.json").unlink()  # the replacement's moment
+    assert supervisor.all_ranks(mine) == read
+    (shared / "node-1.json").write_text('{"job_id": "5", "rest')  # half a file
+    assert supervisor.all_ranks(mine) == read
+    reader_clock[0] += node_silent(2) + 1
+    assert [r["state"] for r in supervisor.all_ranks(mine)] == ["stopped", "silent node"]
+
+
 SUPERVISOR = textwrap.dedent("""
     import os, subprocess, sys, time
     real_time = time.time

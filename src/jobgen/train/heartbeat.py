@@ -204,6 +204,7 @@ class Supervisor:
     _stop: threading.Event = field(default_factory=threading.Event)
     # node rank -> (the last sequence number seen in its summary, when it was first seen by `clock`)
     _seen: dict = field(default_factory=dict)
+    _last_read: dict = field(default_factory=dict)  # node -> its summary as last read
     _seq: int = 0
 
     @classmethod
@@ -270,14 +271,23 @@ class Supervisor:
 
     def node_summary(self, k: int) -> Optional[dict[str, Any]]:
         """Node K's summary of this segment, its ranks marked "silent node" when its sequence
-        number has not changed for `node_silent` seconds of this reader's clock; None if none."""
+        number has not changed for `node_silent` seconds of this reader's clock; None if none.
+
+        A read that fails (a network file system may answer ESTALE or "no such file" while the
+        summary is replaced) gives the summary last read: a node that went missing from one read
+        and came back would count as progress, and put the hang's detection off while it recurs.
+        A summary unreadable for long keeps its old sequence number, so its node turns silent."""
         try:
             with open(os.path.join(self.shared_dir, f"node-{k}.json"), encoding="utf-8") as handle:
                 node = json.load(handle)
         except (OSError, ValueError):
-            return None
+            node = self._last_read.get(k)
+            if node is None:
+                return None
+            node = dict(node)
         if node.get("job_id") != self.job_id or str(node.get("restart")) != self.restart:
             return None
+        self._last_read[k] = dict(node)
         now, seq = self.now(), node.get("seq", node.get("at"))
         last = self._seen.get(k)
         if last is None or last[0] != seq:
@@ -321,7 +331,7 @@ class Supervisor:
 
     def _watch(self) -> None:
         os.makedirs(self.shared_dir, exist_ok=True)
-        last_key, last_change = None, None
+        last_key, last_change, changed = None, None, []
         top_step, top_at = None, None
         step_seconds: list[float] = []
         save_seconds: list[float] = []
@@ -353,6 +363,8 @@ class Supervisor:
             # A rank's progress before its first step (the data it has tokenized) counts as a change.
             key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress")) for r in ranks))
             if key != last_key:
+                # What changed last, for the finding: a hang detected late says which rank kept moving.
+                changed = sorted(set(key) - set(last_key or ()))
                 last_key, last_change = key, now
             step = max(r["step"] for r in ranks)
             if top_step is None or step > top_step:
@@ -377,6 +389,7 @@ class Supervisor:
                     "nodes": " ".join(sorted({r["node"] for r in culprits})) if len(culprits) < world else "",
                     "message": describe_hang(now - last_change, bound, step, culprits, world),
                     "step_seconds_recent": [round(s, 2) for s in step_seconds[-5:]],
+                    "last_change": [dict(zip(("rank", "step", "phase", "waiting", "progress"), entry)) for entry in changed],
                 }
                 self._claim(finding)
                 self._end(self.decided() or finding, mine)
