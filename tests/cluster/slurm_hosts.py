@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -245,7 +246,7 @@ def slurm_on_hosts():
         conf.write_text(slurm_conf(state, hosts))
         nodes = tuple(SlurmHost(host, _keep(host, state, shared, served, options)) for host in hosts)
         keepers = [node.keeper for node in nodes]
-        env = {"SLURM_CONF": str(conf), "PATH": f"{Path(os.sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        env = {"SLURM_CONF": str(conf), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         cluster = SlurmOnHosts(nodes, NODE_NAMES, shared, served, env)
         daemon_env = {**os.environ, "SLURM_CONF": str(conf)}
         _start(nodes[LOGIN], ["slurmctld", "-c"], daemon_env, state)
