@@ -67,3 +67,35 @@ def test_the_last_segment_without_an_end_is_still_running_or_lost(tmp_path: Path
     write_jsonl(run / "segments.jsonl", [start("7", 0, "2026-11-24T10:00:00Z"), start("8", 0, "2026-11-24T10:00:05Z")])
     segments = json.loads(jobgen("status", str(run), "--json").stdout)["segments"]
     assert [s["outcome"] for s in segments] == ["running or lost", "running or lost"]
+
+
+def test_a_segment_killed_while_it_stopped_ended_by_that_stop(tmp_path: Path) -> None:
+    # OpenPBS preempts: SIGTERM, then SIGKILL after the queue's kill_delay. On a loaded node the
+    # ranks were still saving when the script was killed; it had recorded why it was stopping.
+    run = tmp_path / "run"
+    stopping = {**start("7.pbsserver", 0, "2026-11-24T10:00:00Z"), "event": "stopping", "at": "2026-11-24T10:00:40Z",
+                "outcome": "preempted"}
+    write_jsonl(run / "segments.jsonl", [
+        start("7.pbsserver", 0, "2026-11-24T10:00:00Z"), stopping,
+        start("7.pbsserver", 1, "2026-11-24T10:01:00Z"),
+        {**stopping, "restart": 1, "at": "2026-11-24T10:01:30Z", "outcome": "time_limit"},
+        end("7.pbsserver", 1, "2026-11-24T10:01:00Z", "2026-11-24T10:02:00Z", 4, 12, "completed"),
+    ])
+    write_jsonl(run / "output" / "metrics.jsonl", [{"step": step, "time": 1795514400 + 5 * step, "loss": 1.0} for step in range(1, 5)])
+    first, second = json.loads(jobgen("status", str(run), "--json").stdout)["segments"]
+    assert (first["outcome"], first["last_step"], first["ended_at"]) == ("preempted", 4, "2026-11-24T10:00:20Z")
+    # A segment whose end line came says how it ended, whatever it was stopping for.
+    assert second["outcome"] == "completed" and "stopping" not in second
+
+
+def test_a_killed_segment_of_the_jobs_own_program_ends_at_the_checkpoint_the_next_resumed_from(tmp_path: Path) -> None:
+    # An own program writes no trainer records: the next segment's start says where it resumed.
+    run = tmp_path / "run"
+    write_jsonl(run / "segments.jsonl", [
+        start("7.pbsserver", 0, "2026-11-24T10:00:00Z"),
+        {**start("7.pbsserver", 0, "2026-11-24T10:00:00Z"), "event": "stopping", "outcome": "preempted"},
+        start("7.pbsserver", 1, "2026-11-24T10:01:00Z"),
+        end("7.pbsserver", 1, "2026-11-24T10:01:00Z", "2026-11-24T10:02:00Z", 3, 12, "completed"),
+    ])
+    first, _ = json.loads(jobgen("status", str(run), "--json").stdout)["segments"]
+    assert (first["outcome"], first["last_step"]) == ("preempted", 3)

@@ -53,13 +53,15 @@ def big_data(tmp_path_factory):
     return path
 
 
-def _prepare_command(folder, tiny, data) -> list[str]:
-    job = folder / "job.yaml"
-    job.write_text(yaml.safe_dump({
+def _write_prepare_job(folder, tiny, data) -> None:
+    (folder / "job.yaml").write_text(yaml.safe_dump({
         "name": "prep", "resources": {"nodes": 2, "gpus_per_node": 0}, "launch": {"procs_per_node": 2},
         "training": {"model": str(tiny / "model"), "data": str(data), "max_length": 256, "prepared_cache": "stores"},
     }))
-    return [sys.executable, "-m", "jobgen.cli", "prepare", str(job), "--site", "none"]
+
+
+def _prepare_command(folder) -> list[str]:
+    return [sys.executable, "-m", "jobgen.cli", "prepare", str(folder / "job.yaml"), "--site", "none"]
 
 
 def test_two_nodes_preparing_at_once_keep_each_others_work(shared_fs, tiny, tokenizer, big_data):
@@ -67,7 +69,10 @@ def test_two_nodes_preparing_at_once_keep_each_others_work(shared_fs, tiny, toke
     and neither may take the other's temporary folder for a killed preparation's leftover."""
     node_a, node_b = shared_fs.mounts
     (shared_fs.served / "job").mkdir()
-    procs = [subprocess.Popen(_prepare_command(mount / "job", tiny, big_data), cwd=mount / "job", env=subprocess_env(),
+    # Written once, on the file server: a node writing it while the other read it through its own
+    # mount gave that one an empty job file (CI, under load).
+    _write_prepare_job(shared_fs.served / "job", tiny, big_data)
+    procs = [subprocess.Popen(_prepare_command(mount / "job"), cwd=mount / "job", env=subprocess_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for mount in (node_a, node_b)]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]

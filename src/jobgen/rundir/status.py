@@ -65,26 +65,37 @@ def _close_open_segment(segments: list[dict[str, Any]], job_id: str, run: RunDir
     if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == job_id:
         log = run.path / runfiles.batch_log(job_id)
         last_output = log.stat().st_mtime if log.exists() else _epoch(segments[-1]["started_at"])
-        segments[-1]["outcome"] = KILLED
-        segments[-1]["next_started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output))
+        _killed(segments[-1], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output)))
+
+
+def _killed(segment: dict[str, Any], next_started_at: str) -> None:
+    """A segment that ended with no end line: the scheduler killed its script first. One killed
+    while it stopped (its "stopping" line, written when the stop began: a preemption, the time
+    limit) ended by that stop; any other was killed outright."""
+    segment["outcome"] = segment.pop("stopping", None) or KILLED
+    segment["killed"] = True
+    segment["next_started_at"] = next_started_at
 
 
 def pair_segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per segment: a start line, closed by its end line if the script lived to write it.
     A segment with no end line that the same job id started again after has ended all the same:
-    the scheduler killed it too fast for the script to say so (Torque's qrerun, SIGKILL, a lost node)."""
+    the scheduler killed it too fast for the script to say so (Torque's qrerun, SIGKILL, a lost node),
+    or while it stopped ("stopping" line: then that stop is how it ended)."""
     segments: list[dict[str, Any]] = []
     for event in events:
         if event.get("event") == "start":
             if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == event["job_id"]:
-                segments[-1]["outcome"] = KILLED
-                segments[-1]["next_started_at"] = event["started_at"]
+                _killed(segments[-1], event["started_at"])
             segments.append({
                 "job_id": event["job_id"], "restart": event["restart"], "started_at": event["started_at"],
                 "ended_at": None, "first_step": None, "last_step": None, "outcome": "running or lost",
                 "train_seconds": None, "nodes": [],
             })
+        elif event.get("event") == "stopping" and segments and segments[-1]["ended_at"] is None:
+            segments[-1]["stopping"] = event.get("outcome") or None  # why it is stopping, until its end says how it ended
         elif event.get("event") == "end" and segments and segments[-1]["ended_at"] is None:
+            segments[-1].pop("stopping", None)
             segments[-1].update({
                 "ended_at": event["at"], "first_step": event.get("first_step"), "last_step": event.get("last_step"),
                 "outcome": event.get("outcome") or "unknown", "train_seconds": event.get("train_seconds"),
@@ -99,7 +110,7 @@ def killed_from_metrics(segments: list[dict[str, Any]], run_path: Path) -> list[
     start of the job (or that start itself, when it logged none). Then unreported_steps."""
     from jobgen.rundir.metrics import metrics, startups
 
-    killed = [s for s in segments if s["outcome"] == KILLED and s["ended_at"] is None]
+    killed = [s for s in segments if s.pop("killed", False) and s["ended_at"] is None]
     if not killed and all(s["ended_at"] is None or s["last_step"] is not None for s in segments):
         return segments  # metrics.jsonl, many megabytes in a long run, is read only when needed
     records = metrics(run_path)
@@ -117,6 +128,11 @@ def killed_from_metrics(segments: list[dict[str, Any]], run_path: Path) -> list[
         if startup:
             segment["first_step"] = startup.get("first_step")
             segment["last_step"] = segment["last_step"] if segment["last_step"] is not None else startup.get("first_step")
+        following = segments[segments.index(segment) + 1:]
+        if segment["last_step"] is None and following and following[0]["job_id"] == segment["job_id"]:
+            # No trainer records (the job's own program): the step the next segment resumed from,
+            # the newest checkpoint this one left, as its end line would have said.
+            segment["last_step"] = following[0]["first_step"]
     return unreported_steps(segments, records, found)
 
 
