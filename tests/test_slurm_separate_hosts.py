@@ -21,7 +21,7 @@ from tests.cluster.slurm_hosts import CACHE_SECONDS
 from tests.helpers import adapter, assert_bitwise_equal
 from tests.processes import hang_node
 from tests.test_pbs_scripts import probe_job
-from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps
+from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps, wait_for
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 
@@ -68,15 +68,6 @@ def test_jobgen_slurm_ranks_on_separate_hosts_meet_at_the_first_nodes_address(sl
 def job_state(cluster, job_id: str) -> dict[str, str]:
     shown = cluster.on_login(["scontrol", "-o", "show", "job", job_id]).stdout
     return dict(word.split("=", 1) for word in shown.split() if "=" in word)
-
-
-def wait_for(condition, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(1)
-    return value
 
 
 def training(cluster) -> dict:
