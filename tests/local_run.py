@@ -68,7 +68,7 @@ def stopped_and_resumed_run(tmp_path_factory) -> StoppedAndResumed:
 
     # 2. Again, the same command, with its output in a pipe; and `jobgen logs -f` in a pipe.
     second = subprocess.Popen(submit, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: _events(run_dir) >= 3, "the second run's segment to start", 60)
+    _wait_for(lambda: _starts(run_dir) >= 2, "the second run's segment to start", 60)
     follow = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "logs", "-f", str(run_dir)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, submit_piped = second.communicate(timeout=300)
@@ -95,9 +95,12 @@ def _logged_step(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _events(run_dir: Path) -> int:
+def _starts(run_dir: Path) -> int:
+    """How many segments have started: their start lines (a stop also writes lines, a `stopping`
+    then an `end`, so the lines alone do not count segments)."""
     path = run_dir / "segments.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(1 for line in lines if line.startswith('{"event": "start"'))
 
 
 def _wait_for(condition, what: str, timeout: float) -> None:

@@ -65,14 +65,18 @@ def _close_open_segment(segments: list[dict[str, Any]], job_id: str, run: RunDir
     if segments and segments[-1]["ended_at"] is None and segments[-1]["job_id"] == job_id:
         log = run.path / runfiles.batch_log(job_id)
         last_output = log.stat().st_mtime if log.exists() else _epoch(segments[-1]["started_at"])
-        _killed(segments[-1], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output)))
+        _killed(segments[-1], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_output)), for_good=True)
 
 
-def _killed(segment: dict[str, Any], next_started_at: str) -> None:
+def _killed(segment: dict[str, Any], next_started_at: str, for_good: bool = False) -> None:
     """A segment that ended with no end line: the scheduler killed its script first. One killed
     while it stopped (its "stopping" line, written when the stop began: a preemption, the time
-    limit) ended by that stop; any other was killed outright."""
-    segment["outcome"] = segment.pop("stopping", None) or KILLED
+    limit) ended by that stop; any other was killed outright. So was one stopping for a
+    preemption whose job then ended `for_good`: a preempted job comes back under its own id
+    (Slurm's and PBS's requeue), and on PBS the same SIGTERM is also qdel's, which Torque follows
+    with SIGKILL within milliseconds."""
+    stopping = segment.pop("stopping", None)
+    segment["outcome"] = KILLED if not stopping or (for_good and stopping == "preempted") else stopping
     segment["killed"] = True
     segment["next_started_at"] = next_started_at
 
