@@ -46,7 +46,7 @@ from jobgen.train.evaluation import Evaluation
 from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
-from jobgen.train.modeling import keep_bitsandbytes_out, load_model, load_tokenizer
+from jobgen.train.modeling import import_deepspeed, keep_bitsandbytes_out, load_model, load_tokenizer
 from jobgen.train.prepare import Prepared, model_hidden_size
 from jobgen.train.schedule import LRFactor, check_schedule_total, total_steps_of
 from jobgen.train.stop import StopRequest, signal_name
@@ -92,7 +92,7 @@ class Trainer:
         clock = self.clock
         clock.mark("start and job check")
         keep_bitsandbytes_out(self.t.method)
-        import deepspeed
+        deepspeed = import_deepspeed()
         import torch
         import transformers  # noqa: F401 - imported here, so that "imports" holds every import
 
