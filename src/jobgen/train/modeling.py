@@ -37,9 +37,9 @@ def keep_bitsandbytes_out(method: str) -> None:
 
 def import_deepspeed() -> Any:
     """deepspeed, imported without mlflow. DeepSpeed's autotuner, which jobgen never runs, imports
-    mlflow when it is installed, on every `import deepspeed`: 1.5-2 CPU-seconds of every rank's
-    start-up (2 of 11 on this machine's CPUs, measured with `python -X importtime`). mlflow stays
-    importable for the job's own tracker, which imports it when it needs it."""
+    mlflow when it is installed, on every `import deepspeed`: about 2.5 of the 12.6 CPU-seconds
+    of a LoRA rank's imports on the test machine (BENCHMARKS.md). mlflow stays importable for the
+    job's own tracker, which imports it when it needs it."""
     if "mlflow" in sys.modules or "deepspeed" in sys.modules:
         import deepspeed
 
