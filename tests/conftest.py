@@ -9,7 +9,7 @@ import pytest
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
 pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.hosts", "tests.cluster.pbs_servers", "tests.cluster.shared_fs",
-                  "tests.cluster.slurm_hosts",
+                  "tests.cluster.slurm_hosts", "tests.cluster.torque_hosts",
                   "tests.local_run"]
 
 

@@ -39,6 +39,7 @@ DECOY_NETWORK = "10.232.0"  # the interface that routes nowhere
 PREFIX = "jgh"  # every namespace: jgh<pid>-...
 REAL_INTERFACE = "eth1"
 DECOY_INTERFACE = "eth0"
+CACHE_SECONDS = 3  # each sshfs mount's attribute and negative cache, as NFS's acregmin
 # Run "on" a host: its hostname, and its /etc/hosts over the machine's, seen by its processes only.
 ON_HOST = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
 
@@ -177,6 +178,57 @@ def wait_for_ssh(hosts: tuple[Host, ...], options: list[str], servers: list[subp
                     logs = "".join((folder / f"sshd-{host.name}.log").read_text() for host in hosts)
                     pytest.fail(f"ssh from {source.name} to {target.name} does not work: {logs}", pytrace=False)
                 time.sleep(0.2)
+
+
+def keep(host: Host, state: Path, mount: Path, served: Path, ssh_options: list[str],
+         binds: tuple[tuple[Path, str], ...] = (), allow_other: bool = False) -> int:
+    """A process holding `host`'s namespaces (network; its own hostname, /etc/hosts and mounts),
+    with `binds` (folder, where) mounted over the machine's folders and the shared folder mounted
+    at `mount` by sshfs through host1's sshd (`allow_other`: for users other than root too);
+    returns its pid once the mount is there. Enter it with `nsenter -t PID --net --uts --mount`."""
+    ready = state / f"{host.name}.mounted"
+    options = [
+        f"ssh_command=ssh {' '.join(ssh_options)} -o BatchMode=yes", "dir_cache=yes", f"dcache_timeout={CACHE_SECONDS}",
+        f"attr_timeout={CACHE_SECONDS}", f"entry_timeout={CACHE_SECONDS}", f"negative_timeout={CACHE_SECONDS}",
+    ] + (["allow_other"] if allow_other else [])
+    bind = "".join(f'mount --bind "{folder}" "{where}" && ' for folder, where in binds)
+    script = bind + 'sshfs -o "$0" "host1:$1" "$2" && touch "$3" && exec sleep infinity'
+    # nsenter, not `ip netns exec`: that mounts a /sys of its own, without the cgroup folders
+    # slurmd needs.
+    keeper = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation", "private",
+         "sh", "-c", ON_HOST, host.name, str(host.hosts_file),
+         "sh", "-c", script, ",".join(options), str(served), str(mount), str(ready)],
+        stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.keeper.log", "w"), start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if keeper.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{host.name} could not mount the shared folder: {(state / f'{host.name}.keeper.log').read_text()}",
+                        pytrace=False)
+        time.sleep(0.1)
+    # The sleeping process: the last of the keeper's chain (nsenter, unshare, sh -> sleep), once
+    # the shell that touched `ready` has become it.
+    while True:
+        try:
+            return _descendant_named(keeper.pid, "sleep")
+        except (LookupError, OSError):
+            if keeper.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _descendant_named(pid: int, name: str) -> int:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in children:
+        if Path(f"/proc/{child}/comm").read_text().strip() == name:
+            return int(child)
+        try:
+            return _descendant_named(int(child), name)
+        except LookupError:
+            continue
+    if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+        return pid
+    raise LookupError(f"no {name} under {pid}")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from tests.cluster import hosts as separate
 from tests.helpers import cannot_run
 
 NODE_NAMES = ("cn001", "cn002", "cn003")  # Slurm's names; no host resolves them
-CACHE_SECONDS = 3  # each mount's attribute and negative cache, as NFS's acregmin
+CACHE_SECONDS = separate.CACHE_SECONDS
 LOGIN = 0  # host1: slurmctld, and where users submit
 
 
@@ -142,53 +142,6 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMo
 """
 
 
-def _keep(host: separate.Host, state: Path, mount: Path, served: Path, ssh_options: list[str]) -> int:
-    """A process holding `host`'s namespaces, with the shared folder mounted in them by sshfs
-    through host1's sshd; returns its pid once the mount is there."""
-    ready = state / f"{host.name}.mounted"
-    options = ",".join([
-        f"ssh_command=ssh {' '.join(ssh_options)} -o BatchMode=yes", "dir_cache=yes", f"dcache_timeout={CACHE_SECONDS}",
-        f"attr_timeout={CACHE_SECONDS}", f"entry_timeout={CACHE_SECONDS}", f"negative_timeout={CACHE_SECONDS}",
-    ])
-    script = 'sshfs -o "$0" "host1:$1" "$2" && touch "$3" && exec sleep infinity'
-    # nsenter, not `ip netns exec`: that mounts a /sys of its own, without the cgroup folders
-    # slurmd needs.
-    keeper = subprocess.Popen(
-        ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation", "private",
-         "sh", "-c", separate.ON_HOST, host.name, str(host.hosts_file),
-         "sh", "-c", script, options, str(served), str(mount), str(ready)],
-        stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.keeper.log", "w"), start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        if keeper.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{host.name} could not mount the shared folder: {(state / f'{host.name}.keeper.log').read_text()}",
-                        pytrace=False)
-        time.sleep(0.1)
-    # The sleeping process: the last of the keeper's chain (nsenter, unshare, sh -> sleep), once
-    # the shell that touched `ready` has become it.
-    while True:
-        try:
-            return _descendant_named(keeper.pid, "sleep")
-        except (LookupError, OSError):
-            if keeper.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def _descendant_named(pid: int, name: str) -> int:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for child in children:
-        if Path(f"/proc/{child}/comm").read_text().strip() == name:
-            return int(child)
-        try:
-            return _descendant_named(int(child), name)
-        except LookupError:
-            continue
-    if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-        return pid
-    raise LookupError(f"no {name} under {pid}")
-
-
 def _logs(state: Path) -> str:
     return "".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(state.glob("*.log")))
 
@@ -244,7 +197,7 @@ def slurm_on_hosts():
         separate.wait_for_ssh(hosts, options, servers, state)
         conf = state / "slurm.conf"
         conf.write_text(slurm_conf(state, hosts))
-        nodes = tuple(SlurmHost(host, _keep(host, state, shared, served, options)) for host in hosts)
+        nodes = tuple(SlurmHost(host, separate.keep(host, state, shared, served, options)) for host in hosts)
         keepers = [node.keeper for node in nodes]
         env = {"SLURM_CONF": str(conf), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         cluster = SlurmOnHosts(nodes, NODE_NAMES, shared, served, env)

@@ -1,0 +1,195 @@
+"""Pytest plugin: the `torque_on_hosts` fixture, a real Torque complex whose nodes are separate hosts.
+
+The Torque server of torque-up.sh runs its two MoMs on one kernel at 127.0.0.1. Here three hosts
+of tests/cluster/hosts.py (own network namespace, address, hostname, a Debian /etc/hosts and a
+first interface that routes nowhere) run Torque 6.1.3 as a cluster does: host1 is the server
+host (pbs_server, pbs_sched) and the login node jobs are submitted from; host2 and host3 are the
+compute nodes, a pbs_mom each. Every host has its own trqauthd and its own TORQUE_HOME: a folder
+of this fixture mounted over /var/spool/torque in the host's mount namespace, as /tmp is (where
+trqauthd puts its socket), so nothing of the machine's own Torque server is touched. The shared
+folder (submit folder, run directories) is host1's, mounted by every host with sshfs as in
+tests/cluster/slurm_hosts.py; jobs run as the Torque test user.
+
+host1's /etc/hosts names host1 by its address on the cluster network, not Debian's 127.0.1.1:
+Torque's server and scheduler check a peer's address against the server's name, and with that
+line the scheduler refuses the server (jobs stay queued) and the server its own host's MoM ("bad
+attempt to connect from 127.0.0.1 (address not trusted)"), so a Torque admin fixes the line on
+the server host. The compute hosts keep Debian's line, which is what jobgen has to live with.
+
+Needs root, Torque built by ../shared/schedulers/torque-up.sh (scripts/test runs it), sshfs and
+openssh-server. Register with ``pytest_plugins = ["tests.cluster.torque_hosts"]``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import hosts as separate
+from tests.cluster.pbs_servers import _bring_up, _venv_for, _workspace
+from tests.helpers import cannot_run
+
+TORQUE = Path("/opt/torque")
+HOME = "/var/spool/torque"  # TORQUE_HOME, as torque-up.sh builds it
+COMPUTE = ("host2", "host3")
+SERVER_SUBFOLDERS = ("accounting", "acl_groups", "acl_hosts", "acl_svr", "acl_users", "arrays", "credentials",
+                     "disallowed_types", "hostlist", "jobs", "queues")
+SERVER_SETTINGS = """\
+create queue batch queue_type = execution
+set server scheduling = True
+set server default_queue = batch
+set server keep_completed = 600
+set server query_other_jobs = True
+set server scheduler_iteration = 10
+set queue batch resources_default.walltime = 01:00:00
+set queue batch resources_default.nodes = 1
+set queue batch enabled = True
+set queue batch started = True
+""" + "".join(f"create node {name} np=2\n" for name in COMPUTE)
+
+
+@dataclass(frozen=True)
+class TorqueOnHosts:
+    hosts: tuple[separate.Host, ...]
+    keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
+    shared: Path  # the shared folder, as every host mounts it
+    served: Path  # the same folder, as this machine (and host1's file server) sees it
+    user: str
+    venv: Path  # jobgen for `user`
+
+    def command(self, host: str, argv: list[str]) -> list[str]:
+        path = f"{TORQUE}/bin:{TORQUE}/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
+        return ["nsenter", "-t", str(self.keepers[host]), "--net", "--uts", "--mount", "env", f"PATH={path}", *argv]
+
+    def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    def as_user(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`argv` run by the job user on host1, the login node, in `cwd`, with jobgen on PATH."""
+        variables = {"HOME": pwd.getpwnam(self.user).pw_dir, "PATH": f"{TORQUE}/bin:{self.venv}/bin:/usr/bin:/bin", **(env or {})}
+        return self.run("host1", ["runuser", "-u", self.user, "--", "env", "-i", *(f"{k}={v}" for k, v in variables.items()),
+                                  "sh", "-c", 'cd "$0" && exec "$@"', str(cwd), *argv], timeout=timeout)
+
+
+def _torque_home(home: Path) -> None:
+    """An empty TORQUE_HOME as `make install` lays it out, for a server named host1."""
+    folders = {"aux": 0o755, "checkpoint": 0o1777, "spool": 0o1777, "undelivered": 0o1777, "mom_logs": 0o755,
+               "server_logs": 0o755, "sched_logs": 0o755, "job_logs": 0o755, "client_logs": 0o755, "mom_priv": 0o751,
+               "mom_priv/jobs": 0o751, "server_priv": 0o750, "sched_priv": 0o750, "sched_priv/accounting": 0o755,
+               **{f"server_priv/{name}": 0o750 for name in SERVER_SUBFOLDERS}}
+    for folder, mode in folders.items():
+        (home / folder).mkdir(parents=True, exist_ok=True)
+        (home / folder).chmod(mode)
+    for name in ("sched_config", "holidays", "resource_group", "dedicated_time"):
+        shutil.copy(Path(HOME) / "sched_priv" / name, home / "sched_priv" / name)
+    shutil.copy(Path(HOME) / "pbs_environment", home / "pbs_environment")
+    (home / "server_name").write_text("host1\n")
+    (home / "mom_priv" / "config").write_text("$pbsserver host1\n$usecp *:/ /\n")
+
+
+def _logs(state: Path) -> str:
+    found = sorted(state.glob("*.log")) + sorted(state.glob("home/*/*_logs/*"))
+    return "".join(f"--- {path}\n{path.read_text(errors='replace')[-1500:]}" for path in found if path.is_file())
+
+
+def _wait(condition, what: str, state: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"Torque on separate hosts: {what} within {timeout} s:\n{_logs(state)}", pytrace=False)
+        time.sleep(0.5)
+
+
+def _nodes_free(cluster: TorqueOnHosts) -> bool:
+    listed = cluster.run("host1", ["pbsnodes", "-a"], timeout=30).stdout
+    states = {}
+    for line in listed.splitlines():
+        if line and not line[0].isspace():
+            name = line.strip()
+        elif line.strip().startswith("state = "):
+            states[name] = line.split("=", 1)[1].strip()
+    if all(states.get(name) == "free" for name in COMPUTE):
+        return True
+    # A node the server created before its MoM first reported is marked offline (seen here:
+    # "down,offline,MOM-list-not-sent"); clearing the mark is what an admin does after set-up.
+    cluster.run("host1", ["pbsnodes", "-c", *COMPUTE], timeout=30)
+    return False
+
+
+@pytest.fixture(scope="session")
+def torque_on_hosts():
+    """Torque on host1 (server, scheduler: the login node) and host2, host3 (a MoM each), with a
+    shared folder on sshfs; all stopped and deleted at the end of the session."""
+    if os.geteuid() != 0:
+        cannot_run("Torque on separate hosts needs root (network namespaces, FUSE mounts, Torque's daemons)")
+    for tool in ("sshfs", "nsenter", "ip"):
+        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
+            cannot_run(f"{tool} not installed: apt-get install -y sshfs openssh-server iproute2 (scripts/test does it)")
+    _bring_up("torque-up.sh", TORQUE / "bin")  # builds Torque if it is not yet
+    user = os.environ.get("TORQUE_JOB_USER", "tquser")
+    # Not under pytest's tmp_path: its cleanup would walk the mounts.
+    state = Path(tempfile.mkdtemp(prefix="jobgen-torque-hosts-", dir="/var/tmp"))
+    state.chmod(0o755)
+    served, shared = state / "served", state / "shared"
+    for folder in (served, shared):
+        folder.mkdir()
+    served.chmod(0o777)
+    workspace = _workspace("torque-hosts", user)
+    prefix = f"{separate.PREFIX}{os.getpid()}t-"
+    separate.delete_leftovers(prefix)
+    servers: list[subprocess.Popen] = []
+    keepers: dict[str, int] = {}
+    try:
+        hosts = separate.make_hosts(state, 1 + len(COMPUTE), prefix)
+        server_host = hosts[0]
+        server_host.hosts_file.write_text(server_host.hosts_file.read_text().replace(
+            f"127.0.1.1\t{server_host.name}", f"{server_host.address}\t{server_host.name}"))
+        options = separate.ssh_setup(state, hosts)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        servers = [separate.start_sshd(host, state) for host in hosts]
+        separate.wait_for_ssh(hosts, options, servers, state)
+        for host in hosts:
+            home, tmp = state / "home" / host.name, state / "tmp" / host.name
+            _torque_home(home)
+            tmp.mkdir(parents=True)
+            tmp.chmod(0o1777)
+            keepers[host.name] = separate.keep(host, state, shared, served, options, binds=((home, HOME), (tmp, "/tmp")),
+                                               allow_other=True)
+        cluster = TorqueOnHosts(hosts, keepers, shared, served, user, _venv_for(user, workspace))
+        for host in hosts:
+            subprocess.Popen(cluster.command(host.name, ["trqauthd", "-F"]), cwd="/", stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.trqauthd.log", "w"), start_new_session=True)
+        _wait(lambda: all((state / "tmp" / host.name / "trqauthd-unix").exists() for host in hosts), "every trqauthd up", state)
+        created = cluster.run("host1", ["pbs_server", "-t", "create"], input="y\n")
+        if created.returncode != 0:
+            pytest.fail(f"pbs_server -t create on host1: {created.stdout}{created.stderr}\n{_logs(state)}", pytrace=False)
+        _wait(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0, "pbs_server answering", state)
+        configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
+        if configured.returncode != 0:
+            pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
+        for host, daemon in (("host1", "pbs_sched"), *((name, "pbs_mom") for name in COMPUTE)):
+            started = cluster.run(host, [daemon])  # each daemonizes itself
+            if started.returncode != 0:
+                pytest.fail(f"{daemon} on {host}: {started.stdout}{started.stderr}\n{_logs(state)}", pytrace=False)
+        _wait(lambda: _nodes_free(cluster), "host2 and host3 free", state, timeout=90)
+        yield cluster
+    finally:
+        for server in servers:
+            server.terminate()
+        # Deleting a host's namespace kills what runs in it: Torque's daemons, jobs, sshfs.
+        separate.delete_leftovers_of(prefix)
+        for keeper in keepers.values():
+            try:
+                os.kill(keeper, 9)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(workspace, ignore_errors=True)
