@@ -32,7 +32,7 @@ def shellcheck() -> str:
 # timing-bound tests flaky). A test's first fixture in this order names its unit.
 UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
-FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py")
+FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py", "tests/test_torque_separate_hosts.py")
 
 
 # First: pytest-xdist's own hook reads the marks to name each test's unit.
