@@ -16,6 +16,10 @@ line the scheduler refuses the server (jobs stay queued) and the server its own 
 attempt to connect from 127.0.0.1 (address not trusted)"), so a Torque admin fixes the line on
 the server host. The compute hosts keep Debian's line, which is what jobgen has to live with.
 
+The hosts share the machine's process table: a host's daemons are stopped with its namespace
+(`ip netns pids`), never by name, since `pkill pbs_mom` on a host stops every MoM of the machine,
+the Torque test server's and OpenPBS's (seen while this was built).
+
 Needs root, Torque built by ../shared/schedulers/torque-up.sh (scripts/test runs it), sshfs and
 openssh-server. Register with ``pytest_plugins = ["tests.cluster.torque_hosts"]``.
 """
