@@ -1,5 +1,6 @@
 import os
 import shutil
+import uuid
 from collections import defaultdict
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 # No test reaches the real Hugging Face Hub (validate asks it of a hub model the cache lacks): a
 # closed port refuses at once; a test that needs a hub serves tests.hub_stand_in and points here.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+# The run's name, for what tests.helpers builds once per run; pytest-xdist's workers inherit it.
+os.environ.setdefault("JOBGEN_TEST_RUN", uuid.uuid4().hex[:12])
 
 pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.hosts", "tests.cluster.pbs_servers", "tests.cluster.shared_fs",
                   "tests.cluster.slurm_hosts", "tests.cluster.torque_hosts",
@@ -60,6 +63,13 @@ def pytest_configure(config) -> None:
     if config.getoption("dist", "no") == "loadgroup" and tuple(int(p) for p in pytest.__version__.split(".")[:2]) >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup cannot group tests on it; "
                                 "install the test extra's pytest (scripts/setup does)")
+
+
+def pytest_unconfigure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller: every worker is done with the run's folder
+        from tests.helpers import RUN_CACHE
+
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

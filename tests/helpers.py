@@ -3,6 +3,7 @@ package as pip lays it out."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,28 @@ def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: 
         [sys.executable, "-m", "jobgen.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, check=check,
         timeout=timeout,
     )
+
+
+# The tests' folder of things built once per run (conftest.py names the run and removes it).
+RUN_CACHE = Path(tempfile.gettempdir()) / f"jobgen-test-run-{os.environ.get('JOBGEN_TEST_RUN', os.getpid())}"
+
+
+def tiny_model(folder: Path, conversations: int = 64) -> Path:
+    """`python -m jobgen.train.tiny FOLDER`: the tiny model, its tokenizer and data. The build is
+    deterministic and costs seconds of CPU (its imports, mostly), and a dozen modules use it, so it
+    is built once per run, in a process of its own as before, and copied."""
+    built = RUN_CACHE / f"tiny-{conversations}"
+    RUN_CACHE.mkdir(exist_ok=True)
+    with open(RUN_CACHE / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist's workers share the run's folder
+        if not built.exists():
+            building = built.with_name(built.name + ".building")
+            shutil.rmtree(building, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(building), "--conversations", str(conversations)],
+                           check=True, capture_output=True)
+            building.rename(built)
+    shutil.copytree(built, folder, dirs_exist_ok=True)
+    return folder
 
 
 def node_script_of(script: str) -> str:

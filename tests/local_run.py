@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import tiny_model
+
 STEPS = 6
 STOP_AFTER_STEP = 2
 
@@ -34,7 +36,7 @@ class StoppedAndResumed:
 @pytest.fixture(scope="session")
 def stopped_and_resumed_run(tmp_path_factory) -> StoppedAndResumed:
     work = tmp_path_factory.mktemp("local-run")
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
+    tiny_model(work / "tiny")
     job = {
         "name": "stop-resume",
         "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import jobgen, tiny_model
 
 VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
@@ -135,7 +135,7 @@ def test_a_node_whose_processes_all_vanish_is_a_node_failure_that_names_and_excl
     from tests.processes import signal_all, with_environment
     from tests.test_slurm_requeue import trained_steps, wait_for
 
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
+    tiny_model(tmp_path / "tiny")
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({
         "name": "kinds",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import jobgen, tiny_model
 from tests.processes import signal_all, with_environment
 from tests.local_run import _logged_step, _starts, _wait_for
 
@@ -23,7 +23,7 @@ STEPS = 40  # far more than are trained before the stop: the run must not end by
 
 
 def _job(work: Path) -> list[str]:
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
+    tiny_model(work / "tiny")
     (work / "job.yaml").write_text(yaml.safe_dump({
         "name": "lifecycle",
         "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen, node_script_of, shell_findings
+from tests.helpers import jobgen, node_script_of, shell_findings, tiny_model
 
 VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
@@ -147,7 +147,7 @@ def test_the_trainer_callback_saves_and_stops_at_the_step_a_signal_arrives_in(tm
     """One process, the real Trainer on the tiny model: SIGUSR1 during step 3 (as jobgen-torchrun
     sends it) gives checkpoint-3, complete, and training ends there instead of at step 12."""
     tiny = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    tiny_model(tiny)
     script = tmp_path / "train.py"
     script.write_text(f'''
 import os, signal, sys

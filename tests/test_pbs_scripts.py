@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import jobgen, tiny_model
 from tests.processes import descendants, signal_all
 
 FAKE_PBSDSH = r"""#!/bin/bash
@@ -189,7 +189,7 @@ def write_yaml(path: Path, job: dict) -> Path:
 
 
 def lora_job(tmp_path: Path, name: str, **requeue) -> dict:
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tmp_path / "tiny")], check=True, capture_output=True)
+    tiny_model(tmp_path / "tiny")
     return {
         "name": name,
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:30:00"},

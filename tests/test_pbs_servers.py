@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.cluster.pbs_servers import PbsServer
-from tests.helpers import adapter, assert_bitwise_equal
+from tests.helpers import adapter, assert_bitwise_equal, tiny_model
 
 MAX_STEPS = 12
 SAVE_INTERVAL = 4
@@ -50,7 +50,7 @@ def tiny() -> Path:
     """The tiny model and data, in a folder every job user can read."""
     folder = Path(tempfile.mkdtemp(prefix="jobgen-test-tiny-", dir="/var/tmp"))
     folder.chmod(0o755)
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(folder)], check=True, capture_output=True)
+    tiny_model(folder)
     subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)

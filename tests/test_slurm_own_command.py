@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import jobgen, tiny_model
 from tests.own_scripts import SCRIPTS, command, logged, write_script
 from tests.test_slurm_requeue import (VENV_PATH, preempt_everything, release_when_requeued, segments,
                                       wait_for, wait_until_done)
@@ -46,7 +46,7 @@ def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path: Path, script: str) -> None:
     tiny = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    tiny_model(tiny)
     reference_id, _ = start(tmp_path / "reference", script, tiny, f"{script}-reference", step_delay=0)
     assert wait_until_done(reference_id, timeout=300) == "COMPLETED"
     job_id, run_dir = start(tmp_path / "preempted", script, tiny, f"{script}-preempt", step_delay=2)

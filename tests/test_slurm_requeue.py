@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import adapter, assert_bitwise_equal, jobgen  # noqa: F401 - adapter: also imported from here
+from tests.helpers import adapter, assert_bitwise_equal, jobgen, tiny_model  # noqa: F401 - adapter: also imported from here
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -137,7 +137,7 @@ def assert_every_step_trained_once(run_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(folder)], check=True, capture_output=True)
+    tiny_model(folder)
     return folder
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.cluster.fixtures import SlurmTestCluster
+from tests.helpers import tiny_model
 from tests.test_slurm_requeue import job_fields, trained_steps, wait_for, wait_until_done
 
 pytestmark = pytest.mark.usefixtures("slurm_side_cluster")
@@ -63,7 +64,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(folder)], check=True, capture_output=True)
+    tiny_model(folder)
     return folder
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import yaml
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster.hosts import REAL_INTERFACE
 from tests.cluster.slurm_hosts import CACHE_SECONDS
-from tests.helpers import adapter, assert_bitwise_equal
+from tests.helpers import adapter, assert_bitwise_equal, tiny_model
 from tests.processes import hang_node
 from tests.test_pbs_scripts import probe_job
 from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps, wait_for
@@ -73,7 +72,7 @@ def job_state(cluster, job_id: str) -> dict[str, str]:
 def training(cluster) -> dict:
     tiny = cluster.served / "tiny"
     if not tiny.exists():
-        subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+        tiny_model(tiny)
     model, data = cluster.shared / "tiny" / "model", cluster.shared / "tiny" / "data.json"
     return {
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00"},

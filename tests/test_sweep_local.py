@@ -11,14 +11,14 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import jobgen
+from tests.helpers import jobgen, tiny_model
 
 STEPS = 3
 
 
 def test_a_local_sweep_runs_its_points_in_turn_and_reads_back_as_one_table(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(tiny)], check=True, capture_output=True)
+    tiny_model(tiny)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({
         "name": "local-sweep",
         "resources": {"nodes": 1, "gpus_per_node": 0},

@@ -3,8 +3,8 @@ this machine.
 
 No PBS server is packaged for Debian: both are built from source by `pbs-up.sh` and
 `torque-up.sh` in ../shared/schedulers (beside this checkout; JOBGEN_PBS_SOURCES names another
-folder), which scripts/test runs in the background while it sets up the rest. Each script is
-idempotent: here it only starts what is down. README.md says where the sources come from.
+folder), which scripts/test runs in the background while it sets up the rest and the tests start;
+a fixture waits for that run to end. Each script is idempotent: here it only starts what is down. README.md says where the sources come from.
 
 OpenPBS: one MoM with vnodes vm0..vm3, queues workq (default) and express (its jobs preempt
 workq's by requeue); root may submit. Torque: MoMs tq0 and tq1 (np=2 each), queue batch; root
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class PbsServer:
 def _bring_up(script: str, bin_dir: Path) -> None:
     if os.geteuid() != 0:
         cannot_run(f"needs root to start the real {script.split('-')[0]} server ({SOURCES}/{script})")
+    _wait_for_scripts_test(script)
     up = SOURCES / script
     if not up.exists():
         if (bin_dir / "qstat").exists():
@@ -117,6 +119,25 @@ def _bring_up(script: str, bin_dir: Path) -> None:
     started = subprocess.run([str(up)], capture_output=True, text=True, timeout=1200, check=False)
     if started.returncode != 0:
         pytest.fail(f"{up} exited {started.returncode}:\n{started.stdout[-3000:]}{started.stderr[-3000:]}", pytrace=False)
+
+
+def _wait_for_scripts_test(script: str, timeout: float = 1800) -> None:
+    """scripts/test runs the servers' scripts in the background while the tests start (a build is
+    minutes of a fresh machine's set-up): wait for its run to end, and show its output if it
+    failed. Run alone, pytest has no such run to wait for."""
+    folder = os.environ.get("JOBGEN_PBS_UP")
+    if not folder:
+        return
+    done, log = Path(folder) / f"{script}.rc", Path(folder) / f"{script}.log"
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{script}, started by scripts/test, still runs after {timeout:.0f} s; its output so far:\n"
+                        f"{log.read_text(errors='replace')[-3000:]}", pytrace=False)
+        time.sleep(2)
+    rc = done.read_text().split()[0]
+    if rc != "0":
+        pytest.fail(f"{script}, started by scripts/test, exited {rc}:\n{log.read_text(errors='replace')[-3000:]}", pytrace=False)
 
 
 def _workspace(name: str, user: str) -> Path:
