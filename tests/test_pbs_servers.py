@@ -468,16 +468,21 @@ def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_s
     job_id = submit(torque, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
     run_dir = run_dir_of(folder, job)
     wait_for_step(run_dir, SAVE_INTERVAL + 2)
-    # The server's operator (root) reruns it: Torque kills it at once (no time to save or to
-    # record its end) and starts it again under the same id; it resumes from its last periodic
-    # checkpoint.
+    # The server's operator (root) reruns it: Torque sends SIGTERM and SIGKILL moments later (no
+    # time to save or to record its end) and starts it again under the same id; it resumes from
+    # its last periodic checkpoint.
     subprocess.run([str(torque.bin / "qrerun"), job_id], check=True, capture_output=True)
     # Taken here, to the microsecond: the segment's started_at has whole seconds only, so the
     # killed run's last line can fall in the rerun's first second.
     killed_at = time.time()
     finished(torque, job_id)
     first, second = status(torque, folder, job_id)["segments"]
-    assert first["outcome"] == "killed by the scheduler" and first["ended_at"], first
+    # Whether the script began its stop before the SIGKILL (its "stopping" line: on PBS a SIGTERM
+    # reads as a preemption, since qrerun's, qdel's and a preemption's are the same) is a race
+    # that the machine's load decides. Either way the segment ended where the scheduler killed it.
+    records = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    began_to_stop = any(r.get("event") == "stopping" and r.get("restart") == 0 for r in records)
+    assert first["outcome"] == ("preempted" if began_to_stop else "killed by the scheduler") and first["ended_at"], first
     assert first["last_step"] >= SAVE_INTERVAL + 2, first
     # From its last periodic checkpoint; and no rank of the killed run trained on beside the
     # rerun (torchrun's ranks live in sessions of their own, which Torque does not kill).
@@ -486,7 +491,7 @@ def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_s
                    if json.loads(line)["time"] >= killed_at]
     assert steps_since == list(range(SAVE_INTERVAL + 1, MAX_STEPS + 1))
     table = jobgen_as(torque, folder, "status", str(run_dir)).stdout
-    assert "killed by the scheduler" in table and "running or lost" not in table
+    assert first["outcome"] in table and "running or lost" not in table
     assert_secret_reached_every_node(run_dir, 2)
     assert_bitwise_equal(run_dir, reference)
 

@@ -76,7 +76,9 @@ def test_two_nodes_preparing_at_once_keep_each_others_work(shared_fs, tiny, toke
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for mount in (node_a, node_b)]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    for mount, output in zip((node_a, node_b), outputs):
+        print(f"--- jobgen prepare through {mount}:\n{output}")  # whole, where a failure shows it
+    assert [proc.returncode for proc in procs] == [0, 0]
     assert not any("Traceback" in out for out in outputs), outputs
     stores = shared_fs.served / "job" / "stores"
     folders = [p.name for p in stores.iterdir() if p.is_dir()]
@@ -142,3 +144,45 @@ def test_a_store_finished_while_another_node_caches_it_as_absent_is_not_built_ag
                                    preparer=True, processes=1)
     assert built == [] and outcome == "waited" and len(stored) == len(made)
     assert sorted(p.name for p in (shared_fs.served / "stores").iterdir() if p.is_dir()) == [key]
+
+
+def test_a_rename_onto_the_empty_folder_of_another_nodes_look_is_tried_again(shared_fs):
+    """A preparer asks the file server whether the store is there by making the folder itself for
+    a moment (store._exists_on_server: an exclusive mkdir decides on the server, where a stat may
+    answer from a cache). A build finishing meanwhile on another node, whose rename meets that
+    empty folder (EPERM through sftp), must neither fail nor take it for another's store: it
+    tries again, and its store is in place."""
+    import threading
+
+    from jobgen.train.store import _build_under_lock, _exists_on_server
+
+    node_a, node_b = shared_fs.mounts
+    (shared_fs.served / "looks").mkdir()
+    keys = [f"KEY{n}" for n in range(5)]  # a few races, so that one meets a look almost surely
+
+    def build(temp: str) -> None:
+        os.mkdir(temp)
+        with open(os.path.join(temp, COMPLETE), "w") as marker:
+            marker.write("done\n")
+
+    placed = []
+    for key in keys:
+        stop, looks = threading.Event(), [0]
+
+        def look_from_node_a(key: str = key) -> None:
+            while not stop.is_set():
+                _exists_on_server(str(node_a / "looks" / key))
+                looks[0] += 1
+
+        looking = threading.Thread(target=look_from_node_a)
+        looking.start()
+        try:
+            time.sleep(0.1)
+            placed.append(_build_under_lock(str(node_b / "looks" / key), build, str(node_b / "looks" / f"{key}.failed")))
+        finally:
+            stop.set()
+            looking.join()
+        assert looks[0] > 5  # the looks went on throughout
+    assert placed == [True] * len(keys)
+    assert all((shared_fs.served / "looks" / key / COMPLETE).exists() for key in keys)
+    assert sorted(p.name for p in (shared_fs.served / "looks").iterdir()) == keys  # no temporary folder left

@@ -77,6 +77,7 @@ EVAL = "eval"  # the held-out conversations of eval_fraction, in the same layout
 HASHES = "source-hashes.json"  # content hashes by (path, size, mtime): a restart does not read the data again
 POLL_SECONDS = 0.2  # the first polls of a waiting rank; then longer, see poll_interval
 MAX_POLL_SECONDS = 15.0
+RENAME_SECONDS = 10.0  # how long a finished build tries to rename itself past other preparers' looks
 
 
 @dataclass(frozen=True)
@@ -413,9 +414,8 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str) ->
             _remove(os.path.join(folder, entry))
     temp = os.path.join(folder, _temp_name(name))
     try:
-        if os.path.lexists(target):  # incomplete (asked of the server): made by hand, or by a jobgen without the marker
-            # Moved aside, not removed: a rank that mapped it keeps its pages; the age bound removes it later.
-            os.rename(target, os.path.join(folder, _temp_name(name, "-aside")))
+        if os.path.lexists(target):  # incomplete (asked of the server)
+            _clear_incomplete(target, os.path.join(folder, _temp_name(name, "-aside")))
         _remove(failed)
         build(temp)
         _share_with_group(temp, folder)
@@ -429,18 +429,48 @@ def _build_under_lock(target: str, build: Callable[[str], None], failed: str) ->
     except BaseException:
         _remove(temp)
         raise
-    try:
-        os.rename(temp, target)
-    except OSError:
-        # A folder onto one that exists: EEXIST or ENOTEMPTY here, EPERM through sftp. Only a
-        # complete store is renamed into place, so one there now is another preparer's.
-        if not _exists_on_server(target):
-            _remove(temp)
-            raise
+    if not _rename_into_place(temp, target):
         _remove(temp)
         return False
     fsync_directory(folder)
     return True
+
+
+def _clear_incomplete(target: str, aside: str) -> None:
+    """An incomplete target: made by hand, by a jobgen without the marker, or the empty folder of
+    another preparer's look (_exists_on_server), there for a moment and maybe gone already."""
+    try:
+        os.rmdir(target)  # empty: nothing a rank could have mapped
+        return
+    except FileNotFoundError:
+        return
+    except OSError:  # not empty, or a file
+        pass
+    try:
+        # Moved aside, not removed: a rank that mapped it keeps its pages; the age bound removes it later.
+        os.rename(target, aside)
+    except FileNotFoundError:
+        pass
+
+
+def _rename_into_place(temp: str, target: str) -> bool:
+    """Renames the finished `temp` to `target`; False when another preparer's store is there
+    first. A rename onto a folder that exists fails (EEXIST or ENOTEMPTY here, EPERM through
+    sftp): one there is another's complete store (only those are renamed into place), or for a
+    moment the empty folder of another's look at the target, after which this tries again."""
+    deadline = time.monotonic() + RENAME_SECONDS
+    while True:
+        try:
+            os.rename(temp, target)
+            return True
+        except OSError:
+            if _exists_on_server(target) and _complete_on_server(target):
+                return False
+            if time.monotonic() > deadline:
+                if _exists_on_server(target):
+                    return False  # not complete to this node yet (a cache): the other's all the same
+                raise
+            time.sleep(0.05)
 
 
 def _exists_on_server(path: str) -> bool:
