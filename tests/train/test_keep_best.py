@@ -17,14 +17,17 @@ import yaml
 
 from tests.helpers import jobgen
 
-# A learning rate so high that the held-out loss goes up again at the last step (5): with seed 3's
-# order and held-out records, 5.970 5.931 5.809 5.777 5.781 on torch 2.13's CPU build with
-# transformers 5.24, so the best (step 4) is not the last step; an evaluation at every step, and no
-# periodic checkpoint. (Seed 1 gave 5.887 5.852 5.833 5.773 5.788 with an earlier transformers and
-# 5.887 5.852 5.827 5.768 5.758, best last, with 5.24: the tiny model's numbers move with it.)
+# A learning rate that rises to 1.0 over the run (warmup_steps = STEPS), so that the held-out loss
+# tends to go up again after the first steps and the best is an older checkpoint than the newest:
+# with seed 6's order and held-out records, 5.951 6.050 6.139 6.061 5.987 (best step 1) on torch
+# 2.13's CPU build with transformers 5.24 on an AMD EPYC. Which step is best is not a property of
+# jobgen: at such rates the tiny model's numbers move with the CPU's rounding (seed 3 at a constant
+# 1.0 gave 5.970 5.931 5.809 5.777 5.781 on one CPU, best step 4, and 5.970 5.926 5.911 5.783 5.768
+# on another, best the last), so the tests take the best from the run's own evaluations. An
+# evaluation at every step, and no periodic checkpoint.
 STEPS = 5
-SETTINGS = dict(eval_fraction=0.25, seed=3, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
-                max_steps=STEPS, learning_rate=1.0, lr_schedule="constant", max_length=96)
+SETTINGS = dict(eval_fraction=0.25, seed=6, eval_interval=1, save_interval=100, keep_checkpoints=1, keep_best=True,
+                max_steps=STEPS, learning_rate=1.0, lr_schedule="constant", warmup_steps=STEPS, max_length=96)
 
 
 def _evals(output: Path) -> dict[int, float]:
@@ -75,11 +78,13 @@ def test_the_best_checkpoint_is_kept_out_of_the_rotation_and_exported(runs, tiny
     evals = _evals(output)
     assert sorted(evals) == list(range(1, STEPS + 1))
     best_step = min(evals, key=lambda step: (evals[step], step))
-    assert best_step < STEPS, sorted(evals.items())  # SETTINGS' comment
+    print(f"held-out loss by step: {sorted(evals.items())}; best step {best_step}")
     pointer = json.loads((output / "checkpoints" / "best.json").read_text())
     assert pointer == {"step": best_step, "eval_loss": evals[best_step], "checkpoint": f"step-{best_step:06d}"}
-    # keep_checkpoints: 1 keeps the newest, and the best beside it.
-    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["best.json", f"step-{best_step:06d}", f"step-{STEPS:06d}"]
+    # keep_checkpoints: 1 keeps the newest, and the best beside it (one checkpoint where the best is
+    # the newest; the rotation passing over an older best is also the unit test's below).
+    kept = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert kept == sorted({"best.json", f"step-{best_step:06d}", f"step-{STEPS:06d}"}), kept
     # OUTPUT_DIR/best holds the best step's adapter: its held-out loss is the one recorded at that step.
     held = [c for i, c in enumerate(load_conversations(str(tiny / "data.json"))) if held_out(i, SETTINGS["eval_fraction"], SETTINGS["seed"])]
     assert abs(held_out_loss(tiny, output / "best", held, SETTINGS["max_length"]) - evals[best_step]) < 1e-4
