@@ -8,6 +8,13 @@ import pytest
 # No test reaches the real Hugging Face Hub (validate asks it of a hub model the cache lacks): a
 # closed port refuses at once; a test that needs a hub serves tests.hub_stand_in and points here.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+# Every training the tests start shares the machine's few CPUs with a dozen other processes, and
+# torch's OpenMP threads spin while they wait for each other: a 2-node LoRA run of the tiny model
+# took 16 CPU-seconds with one thread per rank against 19 to 28 with the default, and gave bitwise
+# the same adapter (its matrices are too small for a second thread to change a sum's order). Jobs
+# the tests submit inherit it, except those of the PBS servers, which start a job's environment
+# afresh: there the default stays.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The run's name, for what tests.helpers builds once per run; pytest-xdist's workers inherit it.
 os.environ.setdefault("JOBGEN_TEST_RUN", uuid.uuid4().hex[:12])
 
