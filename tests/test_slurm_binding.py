@@ -77,7 +77,8 @@ def test_here_a_step_that_asks_for_no_cpus_is_bound_to_one_core(slurm_side_clust
     subprocess.run(
         ["sbatch", "--wait", f"--partition={slurm_side_cluster.binding_partition}", "--nodes=2", "--ntasks-per-node=1",
          f"--cpus-per-task={node_cpus}", "--job-name=jobgen-test-binding", f"--output={output}",
-         "--wrap", f"srun {CPUS_OF_TASK}; srun --cpus-per-task={node_cpus} {CPUS_OF_TASK}"],
+         # srun's own lines apart (under load: "Job step creation temporarily disabled, retrying").
+         f"--error={tmp_path / 'cpus.err'}", "--wrap", f"srun {CPUS_OF_TASK}; srun --cpus-per-task={node_cpus} {CPUS_OF_TASK}"],
         env={**os.environ, **ENV}, check=True, capture_output=True, timeout=120,
     )
     assert output.read_text().split() == ["1", "1", str(node_cpus), str(node_cpus)]
