@@ -4,7 +4,8 @@ this machine.
 No PBS server is packaged for Debian: both are built from source by `pbs-up.sh` and
 `torque-up.sh` in ../shared/schedulers (beside this checkout; JOBGEN_PBS_SOURCES names another
 folder), which scripts/test runs in the background while it sets up the rest and the tests start;
-a fixture waits for that run to end. Each script is idempotent: here it only starts what is down. README.md says where the sources come from.
+a fixture waits for that run to end. Each script is idempotent: here it only starts what is down.
+README.md says where the sources come from.
 
 OpenPBS: one MoM with vnodes vm0..vm3, queues workq (default) and express (its jobs preempt
 workq's by requeue); root may submit. Torque: MoMs tq0 and tq1 (np=2 each), queue batch; root

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -152,8 +153,6 @@ def test_a_rename_onto_the_empty_folder_of_another_nodes_look_is_tried_again(sha
     answer from a cache). A build finishing meanwhile on another node, whose rename meets that
     empty folder (EPERM through sftp), must neither fail nor take it for another's store: it
     tries again, and its store is in place."""
-    import threading
-
     from jobgen.train.store import _build_under_lock, _exists_on_server
 
     node_a, node_b = shared_fs.mounts
