@@ -153,6 +153,46 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
         assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
 
 
+PEER_RANK = RANK.replace("    time.sleep(0.5)  # \"in the collective\" of step 4", """    time.sleep(0.5)
+    if process_state(int(sys.argv[3])) is None:  # as gloo does when the peer's connection closes
+        sys.exit("Connection closed by peer")""").replace("import Heartbeat,", "import Heartbeat, process_state,")
+
+
+def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any_rank_is_killed(tmp_path: Path) -> None:
+    """Node 0 decides (its rank is the stopped one); node 5 reads no summaries and finds hang.json
+    up to 5 s later. Its rank fails at once when node 0's rank is killed, as a gloo collective
+    does: seen on the Slurm cluster, a rank's log without its stack. Node 0 must wait for it."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    supervisors = {node: Supervisor(str(run_dir), "77", "0", node_rank=node, nnodes=6, override=4.0,
+                                    local_dir=str(tmp_path / f"shm-{node}")) for node in (0, 5)}
+    ranks = {}
+    for rank, node in ((0, 0), (1, 5)):
+        os.mkdir(supervisors[node].local_dir)
+        log = os.fdopen(open_rank_log(str(run_dir), "77", rank), "a")
+        peer = str(ranks[0].pid) if rank == 1 else "1"
+        ranks[rank] = subprocess.Popen([sys.executable, "-c", PEER_RANK, str(rank), f"node{node}", peer],
+                                       stdout=subprocess.PIPE, stderr=log, text=True,
+                                       env={**os.environ, "JOBGEN_HEARTBEAT_DIR": supervisors[node].local_dir})
+        assert ranks[rank].stdout.readline().strip() == "ready"
+    # Node 0 decides about 5 s after its start (the bound, 4 s, after its first read); node 5, started
+    # 3.5 s before, looks for hang.json 1.5 s before that and next 3.5 s after: the late node.
+    supervisors[5].start()
+    time.sleep(3.5)
+    supervisors[0].start()
+    time.sleep(1.5)
+    ranks[0].send_signal(signal.SIGSTOP)
+    codes = [ranks[rank].wait(timeout=60) for rank in (0, 1)]
+    for supervisor in supervisors.values():
+        supervisor.close()
+    assert codes[0] == -signal.SIGKILL
+    assert json.loads((run_dir / "hang.json").read_text())["ranks"] == [0]
+    for rank in (0, 1):
+        text = (run_dir / rank_log("77", rank)).read_text()
+        assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 1' in text, (rank, text)
+    assert all(supervisor.hung for supervisor in supervisors.values())  # both nodes' torchrun exit as hung
+
+
 def test_a_node_whose_summary_stops_changing_is_silent_by_the_readers_own_clock(tmp_path: Path) -> None:
     """A whole node frozen: its own supervisor stops publishing, and the readers must name it.
     What counts is how long the reader has seen the same summary, by its own clock, not the time

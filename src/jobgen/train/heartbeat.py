@@ -15,7 +15,8 @@ the shared folder sees a number of operations per second that grows with the nod
 square (benchmarks/control_plane.py counts them). When the job's steps have not changed for longer
 than the bound (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
-where installed, else faulthandler on SIGQUIT) and kills its ranks. jobgen-torchrun then exits
+where installed, else faulthandler on SIGQUIT) and, `stack_grace` seconds later (so that every
+other node has found hang.json and taken its stacks first), kills its ranks. jobgen-torchrun then exits
 with EXIT_HUNG; the batch script requeues. `detection_delay` says how late that can be at N nodes.
 
 No clock is compared with another node's: a node is silent when its summary's sequence number
@@ -51,6 +52,7 @@ PUBLISH_EVERY = 10.0  # a node's summary (not fsynced: a crash loses only a hear
 FOLLOW_EVERY = 5.0  # a node that reads no summaries looks for hang.json this often
 AGGREGATORS = 2  # nodes 0 and 1 read every summary: one frozen reader does not blind the job
 NODE_SILENT = 30.0  # at least: a node whose summary has not changed this long is frozen or gone, its supervisor with it
+STACK_SECONDS = 3.0  # for signalled ranks to write their stacks; after a follow interval, the last node's
 
 
 def read_every(nnodes: int) -> float:
@@ -63,6 +65,14 @@ def node_silent(nnodes: int) -> float:
     """Seconds, by the reader's clock, without a new summary after which a node is silent: twice
     the longest a healthy node's new summary can take to be seen."""
     return max(NODE_SILENT, 2 * (PUBLISH_EVERY + read_every(nnodes)))
+
+
+def stack_grace(nnodes: int) -> float:
+    """Seconds a supervisor waits, after dumping its ranks' stacks, before it kills them: the other
+    nodes learn of the hang up to a follow interval later, and a rank killed here fails theirs in
+    their collective at once under gloo (their stacks would be lost). One node waits only for its
+    own signalled ranks to write theirs."""
+    return max(FOLLOW_EVERY, read_every(nnodes)) + STACK_SECONDS if nnodes > 1 else STACK_SECONDS
 
 
 def detection_delay(nnodes: int) -> float:
@@ -347,7 +357,12 @@ class Supervisor:
                 self.publish(mine)
                 published = now
             if any(r["state"] == "gone" for r in mine):
-                return  # a rank ended: torchrun takes it from here
+                # A rank ended: torchrun takes it from here. If the job was found hung, another
+                # node may have ended its ranks first; the stacks of those still here are taken.
+                found = self.decided()
+                if found:
+                    self._end(found, [r for r in mine if r["state"] != "gone"])
+                return
             if now - followed >= (read_every(self.nnodes) if aggregating else FOLLOW_EVERY):
                 followed = now
                 found = self.decided()
@@ -417,7 +432,7 @@ class Supervisor:
         sys.stderr.flush()
         for rank in mine:
             self._dump_stack(rank)
-        time.sleep(2.0)
+        self._stop.wait(stack_grace(self.nnodes))  # set when torchrun saw the ranks end
         for rank in mine:
             try:
                 os.kill(rank["pid"], signal.SIGKILL)
