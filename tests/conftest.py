@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JOBGEN_TEST_RUN", uuid.uuid4().hex[:12])
 
 pytest_plugins = ["tests.cluster.fixtures", "tests.cluster.hosts", "tests.cluster.pbs_servers", "tests.cluster.shared_fs",
-                  "tests.cluster.slurm_hosts", "tests.cluster.torque_hosts",
+                  "tests.cluster.openpbs_hosts", "tests.cluster.slurm_hosts", "tests.cluster.torque_hosts",
                   "tests.local_run"]
 
 

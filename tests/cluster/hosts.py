@@ -231,6 +231,32 @@ def _descendant_named(pid: int, name: str) -> int:
     raise LookupError(f"no {name} under {pid}")
 
 
+def daemon_logs(state: Path) -> str:
+    """The ends of a PBS complex's logs: the fixture's own (*.log) and each host's daemons' in its
+    PBS_HOME or TORQUE_HOME (state/home/HOST)."""
+    found = sorted(state.glob("*.log")) + sorted(state.glob("home/*/*_logs/*"))
+    return "".join(f"--- {path}\n{path.read_text(errors='replace')[-1500:]}" for path in found if path.is_file())
+
+
+def wait_for_daemons(condition, what: str, state: Path, complex_name: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{complex_name} on separate hosts: {what} within {timeout} s:\n{daemon_logs(state)}", pytrace=False)
+        time.sleep(0.5)
+
+
+def node_states(pbsnodes_a: str) -> dict[str, str]:
+    """Node name -> state, from `pbsnodes -a` (OpenPBS and Torque print it alike)."""
+    states, name = {}, None
+    for line in pbsnodes_a.splitlines():
+        if line and not line[0].isspace():
+            name = line.strip()
+        elif line.strip().startswith("state = "):
+            states[name] = line.split("=", 1)[1].strip()
+    return states
+
+
 @pytest.fixture(scope="session")
 def separate_hosts(tmp_path_factory):
     """Two separate hosts, host1 and host2, each with sshd; deleted at the end of the session."""

@@ -31,7 +31,6 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,27 +98,8 @@ def _torque_home(home: Path) -> None:
     (home / "mom_priv" / "config").write_text("$pbsserver host1\n$usecp *:/ /\n")
 
 
-def _logs(state: Path) -> str:
-    found = sorted(state.glob("*.log")) + sorted(state.glob("home/*/*_logs/*"))
-    return "".join(f"--- {path}\n{path.read_text(errors='replace')[-1500:]}" for path in found if path.is_file())
-
-
-def _wait(condition, what: str, state: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"Torque on separate hosts: {what} within {timeout} s:\n{_logs(state)}", pytrace=False)
-        time.sleep(0.5)
-
-
 def _nodes_free(cluster: TorqueOnHosts) -> bool:
-    listed = cluster.run("host1", ["pbsnodes", "-a"], timeout=30).stdout
-    states = {}
-    for line in listed.splitlines():
-        if line and not line[0].isspace():
-            name = line.strip()
-        elif line.strip().startswith("state = "):
-            states[name] = line.split("=", 1)[1].strip()
+    states = separate.node_states(cluster.run("host1", ["pbsnodes", "-a"], timeout=30).stdout)
     if all(states.get(name) == "free" for name in COMPUTE):
         return True
     # A node the server created before its MoM first reported is marked offline (seen here:
@@ -171,19 +151,22 @@ def torque_on_hosts():
         for host in hosts:
             subprocess.Popen(cluster.command(host.name, ["trqauthd", "-F"]), cwd="/", stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.trqauthd.log", "w"), start_new_session=True)
-        _wait(lambda: all((state / "tmp" / host.name / "trqauthd-unix").exists() for host in hosts), "every trqauthd up", state)
+        separate.wait_for_daemons(lambda: all((state / "tmp" / host.name / "trqauthd-unix").exists() for host in hosts),
+                                  "every trqauthd up", state, "Torque")
         created = cluster.run("host1", ["pbs_server", "-t", "create"], input="y\n")
         if created.returncode != 0:
-            pytest.fail(f"pbs_server -t create on host1: {created.stdout}{created.stderr}\n{_logs(state)}", pytrace=False)
-        _wait(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0, "pbs_server answering", state)
+            pytest.fail(f"pbs_server -t create on host1: {created.stdout}{created.stderr}\n{separate.daemon_logs(state)}",
+                        pytrace=False)
+        separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
+                                  "pbs_server answering", state, "Torque")
         configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
         if configured.returncode != 0:
             pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
         for host, daemon in (("host1", "pbs_sched"), *((name, "pbs_mom") for name in COMPUTE)):
             started = cluster.run(host, [daemon])  # each daemonizes itself
             if started.returncode != 0:
-                pytest.fail(f"{daemon} on {host}: {started.stdout}{started.stderr}\n{_logs(state)}", pytrace=False)
-        _wait(lambda: _nodes_free(cluster), "host2 and host3 free", state, timeout=90)
+                pytest.fail(f"{daemon} on {host}: {started.stdout}{started.stderr}\n{separate.daemon_logs(state)}", pytrace=False)
+        separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "Torque", timeout=90)
         yield cluster
     finally:
         for server in servers:

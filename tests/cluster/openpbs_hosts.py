@@ -1,0 +1,171 @@
+"""Pytest plugin: the `openpbs_on_hosts` fixture, a real OpenPBS complex whose nodes are separate hosts.
+
+The OpenPBS server of pbs-up.sh runs its MoM, with four vnodes, on one kernel. Here three hosts of
+tests/cluster/hosts.py (own network namespace, address, hostname, a Debian /etc/hosts and a first
+interface that routes nowhere) run OpenPBS 23.06 as a cluster does: host1 is the server host
+(pbs_server with its PostgreSQL datastore, pbs_sched, pbs_comm) and the login node jobs are
+submitted from; host2 and host3 are the compute nodes, a pbs_mom each, which reach each other
+(pbsdsh's tasks) through host1's pbs_comm. Every host has its own /etc/pbs.conf and PBS_HOME, files
+of this fixture mounted over the machine's in the host's mount namespace, as are /tmp and the
+datastore's socket folder, so nothing of the machine's own OpenPBS server is touched; the init
+script's first start (pbs_habitat) fills each empty PBS_HOME and creates host1's datastore.
+The shared folder (submit folder, run directories) is host1's, mounted by every host with sshfs as
+in tests/cluster/slurm_hosts.py. Jobs are submitted and run as root, as on the machine's server
+(`acl_roots = root`).
+
+host1's /etc/hosts names host1 by its address on the cluster network, not Debian's 127.0.1.1, as
+a PBS admin sets up the server host (the MoMs must reach the server and pbs_comm at the address
+its name gives). The compute hosts keep Debian's line, which is what jobgen has to live with, and
+list their own address last, as DNS would give it for a reverse lookup (pbs_mom looks up the name
+of its own address; without it the MoM refused every job: "Failed to get fullhostname from
+10.231.0.11"): their own name is still 127.0.1.1 on themselves.
+
+The hosts share the machine's process table: a host's daemons are stopped with its namespace
+(`ip netns pids`), never by name. Needs root, OpenPBS built by ../shared/schedulers/pbs-up.sh
+(scripts/test runs it), sshfs and openssh-server. Register with
+``pytest_plugins = ["tests.cluster.openpbs_hosts"]``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import hosts as separate
+from tests.cluster.pbs_servers import _bring_up
+from tests.helpers import cannot_run
+
+PBS = Path("/opt/pbs")
+HOME = "/var/spool/pbs"  # PBS_HOME, as pbs-up.sh builds it
+SOCKETS = "/var/run/postgresql"  # where pbs-up.sh's init script has the datastore put its socket
+COMPUTE = ("host2", "host3")
+PORTS = "PBS_BATCH_SERVICE_PORT=15001\nPBS_MOM_SERVICE_PORT=15002\nPBS_MANAGER_SERVICE_PORT=15003\n"
+SERVER_SETTINGS = """\
+set server acl_roots = root
+set server flatuid = True
+set server job_history_enable = True
+set server scheduler_iteration = 10
+""" + "".join(f"create node {name}\nset node {name} resources_available.ncpus = 4\n" for name in COMPUTE)
+
+
+def pbs_conf(host: str, address: str) -> str:
+    """The host's /etc/pbs.conf: the server's daemons on host1, a MoM on each compute host.
+
+    PBS_LEAF_NAME is the host's address on the cluster network: without it a leaf whose name is
+    127.0.1.1 registers every address of its host with pbs_comm, loopback's among them, and
+    pbs_comm, finding 127.0.1.1 already taken by the other MoM, drops one for the other in turn
+    (seen here: neither MoM ever came up), as a PBS admin of Debian nodes finds out.
+
+    PBS_TMPDIR is the host's own /tmp: qsub's background daemon listens on a socket named after the
+    server and the user (`pbs_default_0____`) in /var/tmp by default, which every host shares with the
+    machine here, and a host's qsub talked to the daemon of the machine's own server."""
+    server = host == "host1"
+    starts = "".join(f"PBS_START_{d}={int(server)}\n" for d in ("SERVER", "SCHED", "COMM")) + f"PBS_START_MOM={int(not server)}\n"
+    return (f"PBS_EXEC={PBS}\nPBS_HOME={HOME}\nPBS_SERVER=host1\nPBS_CORE_LIMIT=unlimited\nPBS_SCP=/usr/bin/scp\n"
+            f"PBS_TMPDIR=/tmp\nPBS_LEAF_NAME={address}\nPBS_LEAF_ROUTERS=host1:17201\nPBS_COMM_NAME=host1:17201\n{starts}{PORTS}")
+
+
+MOM_CONFIG = "$clienthost host1\n$restrict_user False\n$restrict_user_maxsysid 999\n$usecp *:/ /\n"
+
+
+@dataclass(frozen=True)
+class OpenPbsOnHosts:
+    hosts: tuple[separate.Host, ...]
+    keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
+    shared: Path  # the shared folder, as every host mounts it
+    served: Path  # the same folder, as this machine (and host1's file server) sees it
+
+    def command(self, host: str, argv: list[str]) -> list[str]:
+        path = f"{PBS}/bin:{PBS}/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
+        # TMPDIR and PBS_TMPDIR outrank pbs.conf's PBS_TMPDIR: the host's own /tmp whatever they were.
+        return ["nsenter", "-t", str(self.keepers[host]), "--net", "--uts", "--mount", "env", f"PATH={path}",
+                "TMPDIR=/tmp", "PBS_TMPDIR=/tmp", *argv]
+
+    def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _nodes_free(cluster: OpenPbsOnHosts) -> bool:
+    states = separate.node_states(cluster.run("host1", ["pbsnodes", "-a"], timeout=30).stdout)
+    return all(states.get(name) == "free" for name in COMPUTE)
+
+
+@pytest.fixture(scope="session")
+def openpbs_on_hosts():
+    """OpenPBS on host1 (server, scheduler, comm: the login node) and host2, host3 (a MoM each),
+    with a shared folder on sshfs; all stopped and deleted at the end of the session."""
+    if os.geteuid() != 0:
+        cannot_run("OpenPBS on separate hosts needs root (network namespaces, FUSE mounts, PBS's daemons)")
+    for tool in ("sshfs", "nsenter", "ip"):
+        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
+            cannot_run(f"{tool} not installed: apt-get install -y sshfs openssh-server iproute2 (scripts/test does it)")
+    _bring_up("pbs-up.sh", PBS / "bin")  # builds OpenPBS if it is not yet
+    # Not under pytest's tmp_path: its cleanup would walk the mounts.
+    state = Path(tempfile.mkdtemp(prefix="jobgen-openpbs-hosts-", dir="/var/tmp"))
+    state.chmod(0o755)
+    served, shared = state / "served", state / "shared"
+    for folder in (served, shared):
+        folder.mkdir()
+    served.chmod(0o777)
+    prefix = f"{separate.PREFIX}{os.getpid()}p-"
+    separate.delete_leftovers(prefix)
+    servers: list[subprocess.Popen] = []
+    keepers: dict[str, int] = {}
+    cluster = None
+    try:
+        hosts = separate.make_hosts(state, 1 + len(COMPUTE), prefix)
+        server_host = hosts[0]
+        server_host.hosts_file.write_text(server_host.hosts_file.read_text().replace(
+            f"127.0.1.1\t{server_host.name}", f"{server_host.address}\t{server_host.name}"))
+        for host in hosts[1:]:  # what DNS would answer for its address; its name is still 127.0.1.1 first
+            host.hosts_file.write_text(host.hosts_file.read_text() + f"{host.address}\t{host.name}\n")
+        options = separate.ssh_setup(state, hosts)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        servers = [separate.start_sshd(host, state) for host in hosts]
+        separate.wait_for_ssh(hosts, options, servers, state)
+        for host in hosts:
+            home, tmp, sockets, conf = (state / "home" / host.name, state / "tmp" / host.name,
+                                        state / "sockets" / host.name, state / f"{host.name}.pbs.conf")
+            for folder, mode in ((home, 0o755), (tmp, 0o1777), (sockets, 0o2775)):
+                folder.mkdir(parents=True)
+                folder.chmod(mode)
+            shutil.chown(sockets, "postgres", "postgres")
+            conf.write_text(pbs_conf(host.name, host.address))
+            keepers[host.name] = separate.keep(host, state, shared, served, options, allow_other=True,
+                                               binds=((home, HOME), (tmp, "/tmp"), (sockets, SOCKETS), (conf, "/etc/pbs.conf")))
+        cluster = OpenPbsOnHosts(hosts, keepers, shared, served)
+        for host in hosts:  # host1 first: the MoMs register with its pbs_comm
+            started = cluster.run(host.name, ["/etc/init.d/pbs", "start"], timeout=300)
+            (state / f"{host.name}.start.log").write_text(started.stdout + started.stderr)
+            if started.returncode != 0:
+                pytest.fail(f"/etc/init.d/pbs start on {host.name}: {started.stdout}{started.stderr}\n"
+                            f"{separate.daemon_logs(state)}", pytrace=False)
+            if host.name in COMPUTE:
+                (state / "home" / host.name / "mom_priv" / "config").write_text(MOM_CONFIG)
+                cluster.run(host.name, ["sh", "-c", f"kill -HUP $(cat {HOME}/mom_priv/mom.lock)"])
+        separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
+                                  "pbs_server answering", state, "OpenPBS")
+        configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
+        if configured.returncode != 0:
+            pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
+        separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "OpenPBS", timeout=90)
+        yield cluster
+    finally:
+        for name in reversed(list(keepers) if cluster else []):  # a killed datastore would leave its shared memory
+            cluster.run(name, ["/etc/init.d/pbs", "stop"])
+        for server in servers:
+            server.terminate()
+        # Deleting a host's namespace kills what is left in it: jobs, sshfs.
+        separate.delete_leftovers_of(prefix)
+        for keeper in keepers.values():
+            try:
+                os.kill(keeper, 9)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(state, ignore_errors=True)

@@ -1,0 +1,60 @@
+"""jobgen's PBS Pro jobs on an OpenPBS complex whose nodes are separate hosts
+(tests/cluster/openpbs_hosts.py): the job submitted on the server host, its chunks on two other
+hosts whose own name is 127.0.1.1 on themselves, each with a first interface that routes nowhere,
+the run folder on a network file system that each host mounts on its own, and pbsdsh starting
+the second node's task through the MoMs and pbs_comm, with the task's bare environment."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.cluster.hosts import REAL_INTERFACE
+from tests.test_pbs_scripts import probe_job
+
+
+def submit(cluster, job: dict) -> tuple[str, Path]:
+    """`jobgen submit` on host1 from a folder of the shared file system; the job id and the run
+    directory as this machine (the file server) sees it."""
+    # A PBS job starts as a login shell, its PATH afresh: the job's setup puts jobgen on it.
+    job["environment"] = {**job.get("environment", {}), "setup": [f"source {Path(sys.executable).parent}/activate"]}
+    folder = cluster.served / job["name"]
+    folder.mkdir()
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    submitted = cluster.run("host1", ["sh", "-c", 'cd "$0" && exec "$@"', str(cluster.shared / job["name"]),
+                                      sys.executable, "-m", "jobgen.cli", "submit", "-s", "pbs", "job.yaml"])
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    return submitted.stdout.split()[-1], folder / "runs" / job["name"]
+
+
+def wait_until_finished(cluster, job_id: str, run_dir: Path, timeout: float) -> str:
+    """The job's `qstat -xf` once it has finished (job_state F)."""
+    deadline = time.monotonic() + timeout
+    while "job_state = F" not in (shown := cluster.run("host1", ["qstat", "-xf", job_id]).stdout):
+        if time.monotonic() > deadline:
+            logs = "".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(run_dir.rglob("*.log")) if p.is_file())
+            raise AssertionError(f"OpenPBS job {job_id} not finished after {timeout} s:\n{shown}\n{logs}")
+        time.sleep(1)
+    return shown
+
+
+def test_jobgen_openpbs_ranks_on_separate_hosts_meet_at_the_first_chunks_address(openpbs_on_hosts) -> None:
+    cluster = openpbs_on_hosts
+    job_id, run_dir = submit(cluster, {**probe_job(2, 2), "name": "probe"})
+    shown = wait_until_finished(cluster, job_id, run_dir, 240)
+    assert "Exit_status = 0" in shown, shown
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
+    assert len(records) == 4, sorted(p.name for p in run_dir.rglob("*"))
+    first = records[0]["hostname"]  # the first chunk's host: node 0, the rendezvous
+    second = ({"host2", "host3"} - {first}).pop()
+    assert [(r["RANK"], r["NODE_RANK"], r["hostname"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
+            for r in records] == [("0", "0", first, first, REAL_INTERFACE, 10), ("1", "0", first, first, REAL_INTERFACE, 10),
+                                  ("2", "1", second, first, REAL_INTERFACE, 10), ("3", "1", second, first, REAL_INTERFACE, 10)]
+    # On node 0 its own name is Debian's 127.0.1.1; the other node reaches it at its own address.
+    own = cluster.run(first, ["getent", "hosts", first]).stdout.split()[0]
+    seen = cluster.run(second, ["getent", "hosts", first]).stdout.split()[0]
+    assert own == "127.0.1.1" and seen == next(h.address for h in cluster.hosts if h.name == first)
