@@ -2,7 +2,8 @@
 (tests/cluster/openpbs_hosts.py): the job submitted on the server host, its chunks on two other
 hosts whose own name is 127.0.1.1 on themselves, each with a first interface that routes nowhere,
 the run folder on a network file system that each host mounts on its own, and pbsdsh starting
-the second node's task through the MoMs and pbs_comm, with the task's bare environment."""
+the second node's task through the MoMs and pbs_comm, with the task's bare environment. About 3
+minutes, half of it the uninterrupted reference run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from pathlib import Path
 import yaml
 
 from tests.cluster.hosts import REAL_INTERFACE
+from tests.helpers import assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
+# reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
+from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for_step  # noqa: F401
 
 
 def submit(cluster, job: dict) -> tuple[str, Path]:
@@ -58,3 +62,27 @@ def test_jobgen_openpbs_ranks_on_separate_hosts_meet_at_the_first_chunks_address
     own = cluster.run(first, ["getent", "hosts", first]).stdout.split()[0]
     seen = cluster.run(second, ["getent", "hosts", first]).stdout.split()[0]
     assert own == "127.0.1.1" and seen == next(h.address for h in cluster.hosts if h.name == first)
+
+
+def test_jobgen_openpbs_training_rerun_on_separate_hosts_stops_with_a_checkpoint_and_resumes_bitwise(
+        openpbs_on_hosts, tiny: Path, reference: dict) -> None:
+    # The operator's qrerun sends SIGTERM to every process of the job on both hosts (SIGKILL after
+    # the queue's kill_delay): the ranks save where they are, through host2's and host3's own
+    # mounts, and the job, run again under its id, resumes from that save read back through them.
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "rerun", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 2)
+    rerun = cluster.run("host1", ["qrerun", job_id])
+    assert rerun.returncode == 0, rerun.stderr
+    shown = wait_until_finished(cluster, job_id, run_dir, 480)
+    assert "Exit_status = 0" in shown and "run_count = 2" in shown, shown
+    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
+                                   "--json"])
+    assert status.returncode == 0, status.stderr
+    first, second = json.loads(status.stdout)["segments"]
+    assert first["outcome"] == "preempted" and first["last_step"] >= SAVE_INTERVAL + 2, first
+    assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", first["last_step"], 1), second
+    assert trained_steps(run_dir)[-1] == MAX_STEPS
+    assert_bitwise_equal(run_dir, reference)

@@ -15,8 +15,8 @@ from pathlib import Path
 from jobgen.rundir.files import rank_log
 from jobgen.train import health
 from jobgen.train.console import open_rank_log
-from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
-                                    hang_bound, node_silent, stopped_first)
+from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STACK_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
+                                    hang_bound, node_silent, process_state, stopped_first)
 
 
 def test_a_node_off_the_majority_is_named_with_what_the_others_have() -> None:
@@ -161,7 +161,8 @@ PEER_RANK = RANK.replace("    time.sleep(0.5)  # \"in the collective\" of step 4
 def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any_rank_is_killed(tmp_path: Path) -> None:
     """Node 0 decides (its rank is the stopped one); node 5 reads no summaries and finds hang.json
     up to 5 s later. Its rank fails at once when node 0's rank is killed, as a gloo collective
-    does: seen on the Slurm cluster, a rank's log without its stack. Node 0 must wait for it."""
+    does: seen on the Slurm cluster, a rank's log without its stack. Node 0 must wait for it, its
+    stopped rank held where it was: continued for its stack dump, it would go on training."""
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     supervisors = {node: Supervisor(str(run_dir), "77", "0", node_rank=node, nnodes=6, override=4.0,
@@ -182,10 +183,16 @@ def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any
     supervisors[0].start()
     time.sleep(1.5)
     ranks[0].send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "hang.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Continued for its stack, the stopped rank is held again until it is killed, 10 s after.
+    time.sleep(STACK_SECONDS + 2)
+    held = process_state(ranks[0].pid)
     codes = [ranks[rank].wait(timeout=60) for rank in (0, 1)]
     for supervisor in supervisors.values():
         supervisor.close()
-    assert codes[0] == -signal.SIGKILL
+    assert held == "T" and codes[0] == -signal.SIGKILL
     assert json.loads((run_dir / "hang.json").read_text())["ranks"] == [0]
     for rank in (0, 1):
         text = (run_dir / rank_log("77", rank)).read_text()

@@ -15,8 +15,8 @@ the shared folder sees a number of operations per second that grows with the nod
 square (benchmarks/control_plane.py counts them). When the job's steps have not changed for longer
 than the bound (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
-where installed, else faulthandler on SIGQUIT) and, `stack_grace` seconds later (so that every
-other node has found hang.json and taken its stacks first), kills its ranks. jobgen-torchrun then exits
+where installed, else faulthandler on SIGQUIT), holds them (SIGSTOP) and kills them
+`kill_after(nnodes)` seconds later, once every other node has found hang.json and taken its own. jobgen-torchrun then exits
 with EXIT_HUNG; the batch script requeues. `detection_delay` says how late that can be at N nodes.
 
 No clock is compared with another node's: a node is silent when its summary's sequence number
@@ -52,7 +52,7 @@ PUBLISH_EVERY = 10.0  # a node's summary (not fsynced: a crash loses only a hear
 FOLLOW_EVERY = 5.0  # a node that reads no summaries looks for hang.json this often
 AGGREGATORS = 2  # nodes 0 and 1 read every summary: one frozen reader does not blind the job
 NODE_SILENT = 30.0  # at least: a node whose summary has not changed this long is frozen or gone, its supervisor with it
-STACK_SECONDS = 3.0  # for signalled ranks to write their stacks; after a follow interval, the last node's
+STACK_SECONDS = 2.0  # for a signalled rank to write its stack
 
 
 def read_every(nnodes: int) -> float:
@@ -67,12 +67,12 @@ def node_silent(nnodes: int) -> float:
     return max(NODE_SILENT, 2 * (PUBLISH_EVERY + read_every(nnodes)))
 
 
-def stack_grace(nnodes: int) -> float:
-    """Seconds a supervisor waits, after dumping its ranks' stacks, before it kills them: the other
-    nodes learn of the hang up to a follow interval later, and a rank killed here fails theirs in
-    their collective at once under gloo (their stacks would be lost). One node waits only for its
-    own signalled ranks to write theirs."""
-    return max(FOLLOW_EVERY, read_every(nnodes)) + STACK_SECONDS if nnodes > 1 else STACK_SECONDS
+def kill_after(nnodes: int) -> float:
+    """Seconds from a supervisor's asking its ranks for their stacks to its killing them. One node
+    waits for its ranks to write them. With others, until the last node to find hang.json (a
+    follow interval and a loop's second later) has had its ranks write theirs: a rank killed here
+    fails theirs in their collective at once under gloo, and their stacks would be lost."""
+    return max(FOLLOW_EVERY, read_every(nnodes)) + 1.0 + 2 * STACK_SECONDS if nnodes > 1 else STACK_SECONDS
 
 
 def detection_delay(nnodes: int) -> float:
@@ -432,7 +432,17 @@ class Supervisor:
         sys.stderr.flush()
         for rank in mine:
             self._dump_stack(rank)
-        self._stop.wait(stack_grace(self.nnodes))  # set when torchrun saw the ranks end
+        # _stop is set when torchrun has seen the ranks end: nothing left to wait for.
+        self._stop.wait(STACK_SECONDS)
+        # Held where they are until killed: a stopped rank, continued for its stack, would train on
+        # (seen: a job found hung in a save finished in the wait), and an ended one would fail the
+        # collectives of other nodes' ranks before they are asked for their stacks.
+        for rank in mine:
+            try:
+                os.kill(rank["pid"], signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        self._stop.wait(kill_after(self.nnodes) - STACK_SECONDS)
         for rank in mine:
             try:
                 os.kill(rank["pid"], signal.SIGKILL)
