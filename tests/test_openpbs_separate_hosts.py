@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.hosts import REAL_INTERFACE
+from tests.cluster.hosts import assert_probe_met_at_node_0
 from tests.helpers import assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
@@ -51,17 +51,7 @@ def test_jobgen_openpbs_ranks_on_separate_hosts_meet_at_the_first_chunks_address
     job_id, run_dir = submit(cluster, {**probe_job(2, 2), "name": "probe"})
     shown = wait_until_finished(cluster, job_id, run_dir, 240)
     assert "Exit_status = 0" in shown, shown
-    records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
-    assert len(records) == 4, sorted(p.name for p in run_dir.rglob("*"))
-    first = records[0]["hostname"]  # the first chunk's host: node 0, the rendezvous
-    second = ({"host2", "host3"} - {first}).pop()
-    assert [(r["RANK"], r["NODE_RANK"], r["hostname"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
-            for r in records] == [("0", "0", first, first, REAL_INTERFACE, 10), ("1", "0", first, first, REAL_INTERFACE, 10),
-                                  ("2", "1", second, first, REAL_INTERFACE, 10), ("3", "1", second, first, REAL_INTERFACE, 10)]
-    # On node 0 its own name is Debian's 127.0.1.1; the other node reaches it at its own address.
-    own = cluster.run(first, ["getent", "hosts", first]).stdout.split()[0]
-    seen = cluster.run(second, ["getent", "hosts", first]).stdout.split()[0]
-    assert own == "127.0.1.1" and seen == next(h.address for h in cluster.hosts if h.name == first)
+    assert_probe_met_at_node_0(run_dir, cluster)
 
 
 def test_jobgen_openpbs_training_rerun_on_separate_hosts_stops_with_a_checkpoint_and_resumes_bitwise(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.hosts import REAL_INTERFACE
+from tests.cluster.hosts import assert_probe_met_at_node_0
 from tests.helpers import assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
@@ -46,17 +46,7 @@ def test_jobgen_torque_ranks_on_separate_hosts_meet_at_the_mother_superiors_addr
     cluster = torque_on_hosts
     job_id, run_dir = submit(cluster, {**probe_job(2, 2), "name": "probe"})
     wait_until_complete(cluster, job_id, run_dir, 240)
-    records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
-    assert len(records) == 4, sorted(p.name for p in run_dir.rglob("*"))
-    first = records[0]["hostname"]  # the mother superior: node 0, the rendezvous
-    second = ({"host2", "host3"} - {first}).pop()
-    assert [(r["RANK"], r["NODE_RANK"], r["hostname"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
-            for r in records] == [("0", "0", first, first, REAL_INTERFACE, 10), ("1", "0", first, first, REAL_INTERFACE, 10),
-                                  ("2", "1", second, first, REAL_INTERFACE, 10), ("3", "1", second, first, REAL_INTERFACE, 10)]
-    # On node 0 its own name is Debian's 127.0.1.1; the other node reaches it at its own address.
-    own = cluster.run(first, ["getent", "hosts", first]).stdout.split()[0]
-    seen = cluster.run(second, ["getent", "hosts", first]).stdout.split()[0]
-    assert own == "127.0.1.1" and seen == next(h.address for h in cluster.hosts if h.name == first)
+    assert_probe_met_at_node_0(run_dir, cluster)
 
 
 def test_jobgen_torque_training_rerun_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(

@@ -21,14 +21,18 @@ Register with ``pytest_plugins = ["tests.cluster.hosts"]``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -229,6 +233,85 @@ def _descendant_named(pid: int, name: str) -> int:
     if Path(f"/proc/{pid}/comm").read_text().strip() == name:
         return pid
     raise LookupError(f"no {name} under {pid}")
+
+
+@dataclass
+class ServerHosts:
+    """Hosts for a batch system's complex (tests/cluster/torque_hosts.py, openpbs_hosts.py): host1
+    the server host and login node, the others compute hosts, each with its sshd. `keep` gives a
+    host the shared folder: host1's `served`, mounted at `shared` by every host on its own."""
+    state: Path  # the fixture's files, not under pytest's tmp_path: its cleanup would walk the mounts
+    hosts: tuple[Host, ...]
+    ssh_options: list[str]
+    served: Path
+    shared: Path
+    keepers: dict[str, int] = field(default_factory=dict)  # host name -> pid of the process holding its namespaces
+
+    def keep(self, host: Host, binds: tuple[tuple[Path, str], ...]) -> None:
+        self.keepers[host.name] = keep(host, self.state, self.shared, self.served, self.ssh_options, binds=binds,
+                                       allow_other=True)
+
+
+@contextmanager
+def server_hosts(system: str, count: int, tag: str) -> Iterator[ServerHosts]:
+    """`count` hosts for `system`'s complex, deleted with everything running in them at the end.
+
+    host1's /etc/hosts names host1 by its address on the cluster network, not Debian's 127.0.1.1:
+    a PBS server checks a peer's address against its own name, and its admin fixes that line on
+    the server host. The compute hosts keep Debian's line, which is what jobgen has to live with."""
+    if os.geteuid() != 0:
+        cannot_run(f"{system} on separate hosts needs root (network namespaces, FUSE mounts, {system}'s daemons)")
+    for tool in ("sshfs", "nsenter", "ip"):
+        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
+            cannot_run(f"{tool} not installed: apt-get install -y sshfs openssh-server iproute2 (scripts/test does it)")
+    state = Path(tempfile.mkdtemp(prefix=f"jobgen-{system.lower()}-hosts-", dir="/var/tmp"))
+    state.chmod(0o755)
+    served, shared = state / "served", state / "shared"
+    for folder in (served, shared):
+        folder.mkdir()
+    served.chmod(0o777)
+    prefix = f"{PREFIX}{os.getpid()}{tag}-"
+    delete_leftovers(prefix)
+    servers: list[subprocess.Popen] = []
+    keepers: dict[str, int] = {}
+    try:
+        hosts = make_hosts(state, count, prefix)
+        server_host = hosts[0]
+        server_host.hosts_file.write_text(server_host.hosts_file.read_text().replace(
+            f"127.0.1.1\t{server_host.name}", f"{server_host.address}\t{server_host.name}"))
+        options = ssh_setup(state, hosts)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        servers = [start_sshd(host, state) for host in hosts]
+        wait_for_ssh(hosts, options, servers, state)
+        complex_hosts = ServerHosts(state, hosts, options, served, shared, keepers)
+        yield complex_hosts
+    finally:
+        for server in servers:
+            server.terminate()
+        # Deleting a host's namespace kills what runs in it: the daemons, jobs, sshfs.
+        delete_leftovers_of(prefix)
+        for keeper in keepers.values():
+            try:
+                os.kill(keeper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def assert_probe_met_at_node_0(run_dir: Path, cluster) -> None:
+    """What jobgen-probe's ranks of a 2-node, 2-rank-per-node job on host2 and host3 of `cluster`
+    (a PBS complex of these hosts) recorded: they met at node 0's name over the real interface,
+    and that name, Debian's 127.0.1.1 on node 0, is node 0's own address on the other node."""
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
+    assert len(records) == 4, sorted(p.name for p in run_dir.rglob("*"))
+    first = records[0]["hostname"]  # node 0, the rendezvous
+    second = ({"host2", "host3"} - {first}).pop()
+    assert [(r["RANK"], r["NODE_RANK"], r["hostname"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
+            for r in records] == [("0", "0", first, first, REAL_INTERFACE, 10), ("1", "0", first, first, REAL_INTERFACE, 10),
+                                  ("2", "1", second, first, REAL_INTERFACE, 10), ("3", "1", second, first, REAL_INTERFACE, 10)]
+    own = cluster.run(first, ["getent", "hosts", first]).stdout.split()[0]
+    seen = cluster.run(second, ["getent", "hosts", first]).stdout.split()[0]
+    assert own == "127.0.1.1" and seen == next(h.address for h in cluster.hosts if h.name == first)
 
 
 def daemon_logs(state: Path) -> str:

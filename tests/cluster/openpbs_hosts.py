@@ -28,10 +28,8 @@ The hosts share the machine's process table: a host's daemons are stopped with i
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +37,6 @@ import pytest
 
 from tests.cluster import hosts as separate
 from tests.cluster.pbs_servers import _bring_up
-from tests.helpers import cannot_run
 
 PBS = Path("/opt/pbs")
 HOME = "/var/spool/pbs"  # PBS_HOME, as pbs-up.sh builds it
@@ -100,72 +97,42 @@ def _nodes_free(cluster: OpenPbsOnHosts) -> bool:
 def openpbs_on_hosts():
     """OpenPBS on host1 (server, scheduler, comm: the login node) and host2, host3 (a MoM each),
     with a shared folder on sshfs; all stopped and deleted at the end of the session."""
-    if os.geteuid() != 0:
-        cannot_run("OpenPBS on separate hosts needs root (network namespaces, FUSE mounts, PBS's daemons)")
-    for tool in ("sshfs", "nsenter", "ip"):
-        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
-            cannot_run(f"{tool} not installed: apt-get install -y sshfs openssh-server iproute2 (scripts/test does it)")
     _bring_up("pbs-up.sh", PBS / "bin")  # builds OpenPBS if it is not yet
-    # Not under pytest's tmp_path: its cleanup would walk the mounts.
-    state = Path(tempfile.mkdtemp(prefix="jobgen-openpbs-hosts-", dir="/var/tmp"))
-    state.chmod(0o755)
-    served, shared = state / "served", state / "shared"
-    for folder in (served, shared):
-        folder.mkdir()
-    served.chmod(0o777)
-    prefix = f"{separate.PREFIX}{os.getpid()}p-"
-    separate.delete_leftovers(prefix)
-    servers: list[subprocess.Popen] = []
-    keepers: dict[str, int] = {}
-    cluster = None
-    try:
-        hosts = separate.make_hosts(state, 1 + len(COMPUTE), prefix)
-        server_host = hosts[0]
-        server_host.hosts_file.write_text(server_host.hosts_file.read_text().replace(
-            f"127.0.1.1\t{server_host.name}", f"{server_host.address}\t{server_host.name}"))
-        for host in hosts[1:]:  # what DNS would answer for its address; its name is still 127.0.1.1 first
-            host.hosts_file.write_text(host.hosts_file.read_text() + f"{host.address}\t{host.name}\n")
-        options = separate.ssh_setup(state, hosts)
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        servers = [separate.start_sshd(host, state) for host in hosts]
-        separate.wait_for_ssh(hosts, options, servers, state)
-        for host in hosts:
-            home, tmp, sockets, conf = (state / "home" / host.name, state / "tmp" / host.name,
-                                        state / "sockets" / host.name, state / f"{host.name}.pbs.conf")
-            for folder, mode in ((home, 0o755), (tmp, 0o1777), (sockets, 0o2775)):
-                folder.mkdir(parents=True)
-                folder.chmod(mode)
-            shutil.chown(sockets, "postgres", "postgres")
-            conf.write_text(pbs_conf(host.name, host.address))
-            keepers[host.name] = separate.keep(host, state, shared, served, options, allow_other=True,
-                                               binds=((home, HOME), (tmp, "/tmp"), (sockets, SOCKETS), (conf, "/etc/pbs.conf")))
-        cluster = OpenPbsOnHosts(hosts, keepers, shared, served)
-        for host in hosts:  # host1 first: the MoMs register with its pbs_comm
-            started = cluster.run(host.name, ["/etc/init.d/pbs", "start"], timeout=300)
-            (state / f"{host.name}.start.log").write_text(started.stdout + started.stderr)
-            if started.returncode != 0:
-                pytest.fail(f"/etc/init.d/pbs start on {host.name}: {started.stdout}{started.stderr}\n"
-                            f"{separate.daemon_logs(state)}", pytrace=False)
-            if host.name in COMPUTE:
-                (state / "home" / host.name / "mom_priv" / "config").write_text(MOM_CONFIG)
-                cluster.run(host.name, ["sh", "-c", f"kill -HUP $(cat {HOME}/mom_priv/mom.lock)"])
-        separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
-                                  "pbs_server answering", state, "OpenPBS")
-        configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
-        if configured.returncode != 0:
-            pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
-        separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "OpenPBS", timeout=90)
-        yield cluster
-    finally:
-        for name in reversed(list(keepers) if cluster else []):  # a killed datastore would leave its shared memory
-            cluster.run(name, ["/etc/init.d/pbs", "stop"])
-        for server in servers:
-            server.terminate()
-        # Deleting a host's namespace kills what is left in it: jobs, sshfs.
-        separate.delete_leftovers_of(prefix)
-        for keeper in keepers.values():
-            try:
-                os.kill(keeper, 9)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(state, ignore_errors=True)
+    with separate.server_hosts("OpenPBS", 1 + len(COMPUTE), "p") as complex_hosts:
+        cluster = OpenPbsOnHosts(complex_hosts.hosts, complex_hosts.keepers, complex_hosts.shared, complex_hosts.served)
+        try:
+            yield _start(complex_hosts, cluster)
+        finally:
+            for name in reversed(complex_hosts.keepers):  # stopped, not killed: a killed datastore leaves its shared memory
+                cluster.run(name, ["/etc/init.d/pbs", "stop"])
+
+
+def _start(complex_hosts: separate.ServerHosts, cluster: OpenPbsOnHosts) -> OpenPbsOnHosts:
+    state = complex_hosts.state
+    for host in complex_hosts.hosts[1:]:  # what DNS would answer for its address; its name is still 127.0.1.1 first
+        host.hosts_file.write_text(host.hosts_file.read_text() + f"{host.address}\t{host.name}\n")
+    for host in complex_hosts.hosts:
+        home, tmp, sockets, conf = (state / "home" / host.name, state / "tmp" / host.name,
+                                    state / "sockets" / host.name, state / f"{host.name}.pbs.conf")
+        for folder, mode in ((home, 0o755), (tmp, 0o1777), (sockets, 0o2775)):
+            folder.mkdir(parents=True)
+            folder.chmod(mode)
+        shutil.chown(sockets, "postgres", "postgres")
+        conf.write_text(pbs_conf(host.name, host.address))
+        complex_hosts.keep(host, binds=((home, HOME), (tmp, "/tmp"), (sockets, SOCKETS), (conf, "/etc/pbs.conf")))
+    for host in complex_hosts.hosts:  # host1 first: the MoMs register with its pbs_comm
+        started = cluster.run(host.name, ["/etc/init.d/pbs", "start"], timeout=300)
+        (state / f"{host.name}.start.log").write_text(started.stdout + started.stderr)
+        if started.returncode != 0:
+            pytest.fail(f"/etc/init.d/pbs start on {host.name}: {started.stdout}{started.stderr}\n"
+                        f"{separate.daemon_logs(state)}", pytrace=False)
+        if host.name in COMPUTE:
+            (state / "home" / host.name / "mom_priv" / "config").write_text(MOM_CONFIG)
+            cluster.run(host.name, ["sh", "-c", f"kill -HUP $(cat {HOME}/mom_priv/mom.lock)"])
+    separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
+                              "pbs_server answering", state, "OpenPBS")
+    configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
+    if configured.returncode != 0:
+        pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
+    separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "OpenPBS", timeout=90)
+    return cluster

@@ -30,7 +30,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,6 @@ import pytest
 
 from tests.cluster import hosts as separate
 from tests.cluster.pbs_servers import _bring_up, _venv_for, _workspace
-from tests.helpers import cannot_run
 
 TORQUE = Path("/opt/torque")
 HOME = "/var/spool/torque"  # TORQUE_HOME, as torque-up.sh builds it
@@ -112,71 +110,43 @@ def _nodes_free(cluster: TorqueOnHosts) -> bool:
 def torque_on_hosts():
     """Torque on host1 (server, scheduler: the login node) and host2, host3 (a MoM each), with a
     shared folder on sshfs; all stopped and deleted at the end of the session."""
-    if os.geteuid() != 0:
-        cannot_run("Torque on separate hosts needs root (network namespaces, FUSE mounts, Torque's daemons)")
-    for tool in ("sshfs", "nsenter", "ip"):
-        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
-            cannot_run(f"{tool} not installed: apt-get install -y sshfs openssh-server iproute2 (scripts/test does it)")
     _bring_up("torque-up.sh", TORQUE / "bin")  # builds Torque if it is not yet
-    user = os.environ.get("TORQUE_JOB_USER", "tquser")
-    # Not under pytest's tmp_path: its cleanup would walk the mounts.
-    state = Path(tempfile.mkdtemp(prefix="jobgen-torque-hosts-", dir="/var/tmp"))
-    state.chmod(0o755)
-    served, shared = state / "served", state / "shared"
-    for folder in (served, shared):
-        folder.mkdir()
-    served.chmod(0o777)
-    workspace = _workspace("torque-hosts", user)
-    prefix = f"{separate.PREFIX}{os.getpid()}t-"
-    separate.delete_leftovers(prefix)
-    servers: list[subprocess.Popen] = []
-    keepers: dict[str, int] = {}
-    try:
-        hosts = separate.make_hosts(state, 1 + len(COMPUTE), prefix)
-        server_host = hosts[0]
-        server_host.hosts_file.write_text(server_host.hosts_file.read_text().replace(
-            f"127.0.1.1\t{server_host.name}", f"{server_host.address}\t{server_host.name}"))
-        options = separate.ssh_setup(state, hosts)
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        servers = [separate.start_sshd(host, state) for host in hosts]
-        separate.wait_for_ssh(hosts, options, servers, state)
-        for host in hosts:
-            home, tmp = state / "home" / host.name, state / "tmp" / host.name
-            _torque_home(home)
-            tmp.mkdir(parents=True)
-            tmp.chmod(0o1777)
-            keepers[host.name] = separate.keep(host, state, shared, served, options, binds=((home, HOME), (tmp, "/tmp")),
-                                               allow_other=True)
-        cluster = TorqueOnHosts(hosts, keepers, shared, served, user, _venv_for(user, workspace))
-        for host in hosts:
-            subprocess.Popen(cluster.command(host.name, ["trqauthd", "-F"]), cwd="/", stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.trqauthd.log", "w"), start_new_session=True)
-        separate.wait_for_daemons(lambda: all((state / "tmp" / host.name / "trqauthd-unix").exists() for host in hosts),
-                                  "every trqauthd up", state, "Torque")
-        created = cluster.run("host1", ["pbs_server", "-t", "create"], input="y\n")
-        if created.returncode != 0:
-            pytest.fail(f"pbs_server -t create on host1: {created.stdout}{created.stderr}\n{separate.daemon_logs(state)}",
-                        pytrace=False)
-        separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
-                                  "pbs_server answering", state, "Torque")
-        configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
-        if configured.returncode != 0:
-            pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
-        for host, daemon in (("host1", "pbs_sched"), *((name, "pbs_mom") for name in COMPUTE)):
-            started = cluster.run(host, [daemon])  # each daemonizes itself
-            if started.returncode != 0:
-                pytest.fail(f"{daemon} on {host}: {started.stdout}{started.stderr}\n{separate.daemon_logs(state)}", pytrace=False)
-        separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "Torque", timeout=90)
-        yield cluster
-    finally:
-        for server in servers:
-            server.terminate()
-        # Deleting a host's namespace kills what runs in it: Torque's daemons, jobs, sshfs.
-        separate.delete_leftovers_of(prefix)
-        for keeper in keepers.values():
-            try:
-                os.kill(keeper, 9)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(state, ignore_errors=True)
-        shutil.rmtree(workspace, ignore_errors=True)
+    with separate.server_hosts("Torque", 1 + len(COMPUTE), "t") as complex_hosts:
+        user = os.environ.get("TORQUE_JOB_USER", "tquser")
+        workspace = _workspace("torque-hosts", user)
+        try:
+            yield _start(complex_hosts, user, workspace)
+        finally:
+            shutil.rmtree(workspace, ignore_errors=True)
+
+
+def _start(complex_hosts: separate.ServerHosts, user: str, workspace: Path) -> TorqueOnHosts:
+    state, hosts = complex_hosts.state, complex_hosts.hosts
+    for host in hosts:
+        home, tmp = state / "home" / host.name, state / "tmp" / host.name
+        _torque_home(home)
+        tmp.mkdir(parents=True)
+        tmp.chmod(0o1777)
+        complex_hosts.keep(host, binds=((home, HOME), (tmp, "/tmp")))
+    cluster = TorqueOnHosts(hosts, complex_hosts.keepers, complex_hosts.shared, complex_hosts.served, user,
+                            _venv_for(user, workspace))
+    for host in hosts:
+        subprocess.Popen(cluster.command(host.name, ["trqauthd", "-F"]), cwd="/", stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=open(state / f"{host.name}.trqauthd.log", "w"), start_new_session=True)
+    separate.wait_for_daemons(lambda: all((state / "tmp" / host.name / "trqauthd-unix").exists() for host in hosts),
+                              "every trqauthd up", state, "Torque")
+    created = cluster.run("host1", ["pbs_server", "-t", "create"], input="y\n")
+    if created.returncode != 0:
+        pytest.fail(f"pbs_server -t create on host1: {created.stdout}{created.stderr}\n{separate.daemon_logs(state)}",
+                    pytrace=False)
+    separate.wait_for_daemons(lambda: cluster.run("host1", ["qstat", "-B"], timeout=30).returncode == 0,
+                              "pbs_server answering", state, "Torque")
+    configured = cluster.run("host1", ["qmgr"], input=SERVER_SETTINGS)
+    if configured.returncode != 0:
+        pytest.fail(f"qmgr on host1: {configured.stdout}{configured.stderr}", pytrace=False)
+    for host, daemon in (("host1", "pbs_sched"), *((name, "pbs_mom") for name in COMPUTE)):
+        started = cluster.run(host, [daemon])  # each daemonizes itself
+        if started.returncode != 0:
+            pytest.fail(f"{daemon} on {host}: {started.stdout}{started.stderr}\n{separate.daemon_logs(state)}", pytrace=False)
+    separate.wait_for_daemons(lambda: _nodes_free(cluster), "host2 and host3 free", state, "Torque", timeout=90)
+    return cluster
