@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import pytest
 
@@ -252,6 +252,26 @@ class ServerHosts:
                                        allow_other=True)
 
 
+@dataclass(frozen=True)
+class ComplexOnHosts:
+    """A batch system's complex running on ServerHosts: commands run on one of its hosts (its
+    namespaces, with the system's commands on PATH and `HOST_ENV` set)."""
+    hosts: tuple[Host, ...]
+    keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
+    shared: Path  # the shared folder, as every host mounts it
+    served: Path  # the same folder, as this machine (and host1's file server) sees it
+    BIN_DIRS: ClassVar[tuple[str, ...]] = ()
+    HOST_ENV: ClassVar[tuple[str, ...]] = ()  # NAME=VALUE
+
+    def command(self, host: str, argv: list[str]) -> list[str]:
+        path = ":".join([*self.BIN_DIRS, "/usr/sbin:/usr/bin:/sbin:/bin"])
+        return ["nsenter", "-t", str(self.keepers[host]), "--net", "--uts", "--mount", "env", f"PATH={path}",
+                *self.HOST_ENV, *argv]
+
+    def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
 @contextmanager
 def server_hosts(system: str, count: int, tag: str) -> Iterator[ServerHosts]:
     """`count` hosts for `system`'s complex, deleted with everything running in them at the end.
@@ -283,8 +303,7 @@ def server_hosts(system: str, count: int, tag: str) -> Iterator[ServerHosts]:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         servers = [start_sshd(host, state) for host in hosts]
         wait_for_ssh(hosts, options, servers, state)
-        complex_hosts = ServerHosts(state, hosts, options, served, shared, keepers)
-        yield complex_hosts
+        yield ServerHosts(state, hosts, options, served, shared, keepers)
     finally:
         for server in servers:
             server.terminate()

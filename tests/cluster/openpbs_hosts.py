@@ -29,8 +29,6 @@ The hosts share the machine's process table: a host's daemons are stopped with i
 from __future__ import annotations
 
 import shutil
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,21 +69,10 @@ def pbs_conf(host: str, address: str) -> str:
 MOM_CONFIG = "$clienthost host1\n$restrict_user False\n$restrict_user_maxsysid 999\n$usecp *:/ /\n"
 
 
-@dataclass(frozen=True)
-class OpenPbsOnHosts:
-    hosts: tuple[separate.Host, ...]
-    keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
-    shared: Path  # the shared folder, as every host mounts it
-    served: Path  # the same folder, as this machine (and host1's file server) sees it
-
-    def command(self, host: str, argv: list[str]) -> list[str]:
-        path = f"{PBS}/bin:{PBS}/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
-        # TMPDIR and PBS_TMPDIR outrank pbs.conf's PBS_TMPDIR: the host's own /tmp whatever they were.
-        return ["nsenter", "-t", str(self.keepers[host]), "--net", "--uts", "--mount", "env", f"PATH={path}",
-                "TMPDIR=/tmp", "PBS_TMPDIR=/tmp", *argv]
-
-    def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+class OpenPbsOnHosts(separate.ComplexOnHosts):
+    BIN_DIRS = (f"{PBS}/bin", f"{PBS}/sbin")
+    # TMPDIR and PBS_TMPDIR outrank pbs.conf's PBS_TMPDIR: the host's own /tmp whatever they were.
+    HOST_ENV = ("TMPDIR=/tmp", "PBS_TMPDIR=/tmp")
 
 
 def _nodes_free(cluster: OpenPbsOnHosts) -> bool:

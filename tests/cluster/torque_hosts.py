@@ -58,20 +58,10 @@ set queue batch started = True
 
 
 @dataclass(frozen=True)
-class TorqueOnHosts:
-    hosts: tuple[separate.Host, ...]
-    keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
-    shared: Path  # the shared folder, as every host mounts it
-    served: Path  # the same folder, as this machine (and host1's file server) sees it
+class TorqueOnHosts(separate.ComplexOnHosts):
     user: str
     venv: Path  # jobgen for `user`
-
-    def command(self, host: str, argv: list[str]) -> list[str]:
-        path = f"{TORQUE}/bin:{TORQUE}/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
-        return ["nsenter", "-t", str(self.keepers[host]), "--net", "--uts", "--mount", "env", f"PATH={path}", *argv]
-
-    def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+    BIN_DIRS = (f"{TORQUE}/bin", f"{TORQUE}/sbin")
 
     def as_user(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """`argv` run by the job user on host1, the login node, in `cwd`, with jobgen on PATH."""

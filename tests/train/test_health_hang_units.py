@@ -156,6 +156,7 @@ def test_the_supervisor_names_the_stopped_rank_dumps_stacks_and_ends_the_ranks(t
 PEER_RANK = RANK.replace("    time.sleep(0.5)  # \"in the collective\" of step 4", """    time.sleep(0.5)
     if process_state(int(sys.argv[3])) is None:  # as gloo does when the peer's connection closes
         sys.exit("Connection closed by peer")""").replace("import Heartbeat,", "import Heartbeat, process_state,")
+assert "Connection closed by peer" in PEER_RANK and "process_state," in PEER_RANK  # RANK as this expects it
 
 
 def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any_rank_is_killed(tmp_path: Path) -> None:

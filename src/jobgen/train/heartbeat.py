@@ -16,8 +16,9 @@ square (benchmarks/control_plane.py counts them). When the job's steps have not 
 than the bound (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
 where installed, else faulthandler on SIGQUIT), holds them (SIGSTOP) and kills them
-`kill_after(nnodes)` seconds later, once every other node has found hang.json and taken its own. jobgen-torchrun then exits
-with EXIT_HUNG; the batch script requeues. `detection_delay` says how late that can be at N nodes.
+`kill_after(nnodes)` seconds later, once every other node has found hang.json and taken its own.
+jobgen-torchrun then exits with EXIT_HUNG; the batch script requeues. `detection_delay` says how
+late that can be at N nodes.
 
 No clock is compared with another node's: a node is silent when its summary's sequence number
 has not changed for `node_silent(nnodes)` seconds of the reader's own monotonic clock. The
