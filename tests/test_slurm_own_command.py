@@ -69,3 +69,42 @@ def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as
     status = jobgen("status", str(run_dir)).stdout
     assert "own program (launch.command)" in status
     print(f"preempted at step {first['last_step']}; final loss {reference[-1]['loss']} in both")
+
+
+# A program whose rank 1 dies by a signal after its last step, as torch can abort in gloo's
+# teardown: srun (--kill-on-bad-exit) ends the other node's task with SIGTERM and exits 143.
+# No stop was asked for and the scheduler signalled nothing: a failure, not a preemption.
+ABORT_AFTER_LAST_STEP = r'''
+import json, os, time
+rank = int(os.environ["RANK"])
+for step in (1, 2, 3):
+    time.sleep(0.2)
+    if rank == 0:
+        os.makedirs(f"out/checkpoint-{step}", exist_ok=True)
+        json.dump({"global_step": step}, open(f"out/checkpoint-{step}/trainer_state.json", "w"))
+if rank == 1:
+    os.abort()
+time.sleep(60)  # rank 0 still tearing down when rank 1 is gone
+'''
+
+
+def test_a_rank_that_dies_by_a_signal_after_its_last_step_fails_the_job_and_is_not_requeued(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "train.py").write_text(ABORT_AFTER_LAST_STEP)
+    job = {
+        "name": "jobgen-test-abort-at-exit",
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00", "partition": "debug", "exclusive": True},
+        "launch": {"procs_per_node": 1, "command": ["python", "train.py"], "checkpoints": "out/checkpoint-*"},
+        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", "job.yaml"], cwd=tmp_path,
+                         env={**os.environ, "PATH": VENV_PATH}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    job_id, run_dir = out.stdout.strip(), tmp_path / "runs" / "jobgen-test-abort-at-exit"
+    assert wait_until_done(job_id, timeout=180) == "FAILED"
+    ends = [segment for segment in segments(run_dir)]
+    log = jobgen("logs", str(run_dir)).stdout
+    assert [segment["outcome"] for segment in ends] == ["failed"], (ends, log)
+    assert "launch.command failed" in log and "requeueing" not in log, log
+    assert "preempted" not in jobgen("status", str(run_dir)).stdout
