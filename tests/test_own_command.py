@@ -134,6 +134,35 @@ def test_own_program_gets_the_newest_complete_checkpoint_and_its_stop_signal(tmp
     assert "last loss 0.0333 at step 30/30" in status.stdout, status.stdout
 
 
+def test_resume_from_a_chosen_checkpoint_of_the_own_program_sets_the_later_ones_aside(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(PLAIN_SCRIPT)
+    for step in (10, 20, 25):  # as a first run left them: 25 was being written when it was killed
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+        if step != 25:
+            (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    config = write_job(tmp_path, {"command": ["python", "train.py"], "resume_argument": "--resume {checkpoint}",
+                                  "checkpoints": "out/checkpoint-*"})
+    wrong = jobgen("submit", "-s", "local", "--dry-run", "--resume-from", "25", str(config), cwd=tmp_path)
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    assert (f"--resume-from: '25' is not a complete checkpoint of this program (the folders launch.checkpoints, "
+            f"out/checkpoint-*, matches under {tmp_path} that hold trainer_state.json: checkpoint-10, checkpoint-20); "
+            "give one of them") in wrong.stderr, wrong.stderr
+    dry = jobgen("submit", "-s", "local", "--dry-run", "--resume-from", "checkpoint-10", str(config), cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert ("resuming from step 10 (launch.checkpoints); later checkpoints (checkpoint-20, checkpoint-25): "
+            "would be set aside") in dry.stderr
+    assert (tmp_path / "out" / "checkpoint-20").exists()  # a dry run moves nothing
+
+    ran = jobgen("submit", "-s", "local", "--resume-from", "10", str(config), cwd=tmp_path, env={"PATH": VENV_PATH},
+                 timeout=180)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    aside = list((tmp_path / "out" / "checkpoints-set-aside").glob("after-step-000010-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["checkpoint-20", "checkpoint-25"]
+    logs = "".join(path.read_text() for path in sorted((tmp_path / "runs" / "own" / "logs").glob("*node0.out")))
+    assert f"rank 0 of 2: resume={tmp_path}/out/checkpoint-10 start=10" in logs, logs
+    assert [int(line) for line in (tmp_path / "steps.log").read_text().split()] == list(range(11, 31))
+
+
 def test_a_command_not_on_the_node_is_one_line_in_its_log(tmp_path: Path) -> None:
     config = write_job(tmp_path, {"command": ["finetune-not-installed", "--x"]})
     result = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=120)

@@ -91,3 +91,81 @@ def _names(folder: Path) -> list[str]:
         return os.listdir(folder)
     except OSError:
         return []
+
+
+# The job's own program (launch.command): its checkpoints are the folders launch.checkpoints
+# matches under the working directory, the last number in a name its step, as the batch script
+# reads them (templates/job.sh.j2, jobgen_newest_checkpoint), so the same folders are set aside.
+OWN_STEP = re.compile(r"([0-9]+)[^0-9]*$")
+
+
+def own_checkpoints(workdir: Path, pattern: str, complete_file: str | None) -> dict[int, tuple[Path, bool]]:
+    """{step: (folder, complete)} of every folder `pattern` matches under `workdir` whose name has a number."""
+    import glob
+
+    found: dict[int, tuple[Path, bool]] = {}
+    for match in sorted(glob.glob(pattern, root_dir=workdir)):
+        path = workdir / match
+        number = OWN_STEP.search(path.name)
+        if number is None or not path.is_dir():
+            continue
+        complete = complete_file is None or (path / complete_file).exists()
+        step = int(number.group(1))
+        if step not in found or complete:
+            found[step] = (path, complete)
+    return found
+
+
+def own_chosen_step(workdir: Path, pattern: str, complete_file: str | None, choice: str) -> int:
+    """The step of `choice` (50, checkpoint-50, or its path) among the program's complete
+    checkpoints; JobgenError naming the option, the value and those it could be."""
+    found = own_checkpoints(workdir, pattern, complete_file)
+    complete = sorted(step for step, (_, done) in found.items() if done)
+    have = ", ".join(found[step][0].name for step in complete) or "none"
+    number = OWN_STEP.search(Path(choice).name)
+    if number is None or int(number.group(1)) not in complete:
+        holding = f" that hold {complete_file}" if complete_file else ""
+        raise JobgenError(f"--resume-from: {choice!r} is not a complete checkpoint of this program (the folders "
+                          f"launch.checkpoints, {pattern}, matches under {workdir}{holding}: {have}); give one of them")
+    return int(number.group(1))
+
+
+def set_aside_own_after(workdir: Path, pattern: str, step: int, dry_run: bool = False) -> list[Path]:
+    """Move every folder `pattern` matches of a step after `step` (complete or not) into
+    BASE/SET_ASIDE/after-step-N-TIME/, BASE the pattern's leading folders without a wildcard;
+    returns the folders moved, or, with `dry_run`, that would be. Refused when the new place
+    would itself match `pattern`: the batch script would then resume from it."""
+    later = sorted((path for number, (path, _) in own_checkpoints(workdir, pattern, None).items() if number > step),
+                   key=lambda p: p.name)
+    if not later:
+        return later
+    fixed = []
+    for part in Path(pattern).parts[:-1]:
+        if any(c in part for c in "*?["):
+            break
+        fixed.append(part)
+    base = workdir.joinpath(*fixed)
+    aside = base / SET_ASIDE / f"after-step-{step:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    targets = [aside / path.relative_to(base) for path in later]
+    for target in targets:
+        for place in (target, *target.parents):
+            if place == base:  # it has fewer parts than the pattern: never a match
+                break
+            if _matches(place, workdir / pattern):
+                raise JobgenError(f"--resume-from: launch.checkpoints ({pattern}) would match {place}, where the later "
+                                  "checkpoints would be set aside: make the pattern name the checkpoint folders only "
+                                  "(e.g. output/checkpoint-*), or move them out of its reach yourself")
+    if dry_run:
+        return later
+    for path, target in zip(later, targets):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    return targets
+
+
+def _matches(path: Path, pattern: Path) -> bool:
+    """Whether an absolute path matches an absolute glob as the shell's does: part by part, `*` never across a `/`."""
+    import fnmatch
+
+    parts, wanted = path.parts, pattern.parts
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted))
