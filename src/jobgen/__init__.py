@@ -11,6 +11,8 @@ it (tests/test_layout.py checks every import, lazy ones included):
     rundir/      the run directory: its file names, the submission that lays it out, and every
                  reader of it (status, logs, progress, metrics, plot)
     train/       what runs on the nodes: jobgen-train, jobgen-probe, jobgen-torchrun
+    api.py       the Python API, `jobgen.Job` and `jobgen.Run`: a job resolved once, validated,
+                 rendered and submitted; the job commands of cli/ are built on it
     cli/         the `jobgen` command, one module per command group
 
 Below them all, shared by every part: `errors` (one-line errors for people), `files` (atomic
@@ -18,3 +20,19 @@ writes), `resources` (where the bundled templates and configs are), `plugins` (e
 """
 
 __version__ = "0.1.0"
+
+# The Python API (jobgen/api.py, above every part): loaded on first use, so that `import jobgen`,
+# which every command and every rank does, does not import the job models and schedulers for it.
+_API = ("Job", "Run", "InvalidJob", "JobgenError")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from jobgen import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'jobgen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

@@ -18,6 +18,16 @@ class UserError(JobgenError):
     as `jobgen-train: error: MESSAGE` and exits 2, never with a traceback."""
 
 
+class InvalidJob(JobgenError):
+    """A job the models refuse: one line per problem, each naming the field, the value and what
+    would be accepted. `fields` holds the dotted name of each field at fault (`training.lora.r`;
+    an empty string for a check across fields), in the order of the lines."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
 def describe_validation_error(error: ValidationError, model: type[BaseModel], source: str) -> str:
     """All problems in a job, one line each, with the closest known key for unknown keys."""
     return describe_errors(error.errors(), model, source)

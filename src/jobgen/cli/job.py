@@ -14,8 +14,8 @@ from jobgen.cli.options import (
     check_files,
     checked_scheduler_option,
     config_argument,
-    deepspeed_findings,
-    resolve,
+    echo_warnings_of,
+    load_job,
     resolve_sweep,
     scheduler_for,
     scheduler_option,
@@ -44,10 +44,11 @@ def render(
     jobgen render -s slurm job.yaml --sweep training.lora.r=8,16 -o sweep.sbatch; it makes each
     point's run directory itself. `jobgen submit --sweep` also records the sweep for `jobgen status`.
     """
-    from jobgen.script.render import render as render_script, render_array
+    from jobgen.script.render import render_array
     from jobgen.schedulers import get_scheduler
 
-    resolved = resolve(config, site, overrides)
+    job = load_job(config, site, overrides)
+    resolved = job.resolved
     scheduler = scheduler_for(scheduler, resolved)
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
     chosen = get_scheduler(scheduler)
@@ -56,12 +57,11 @@ def render(
             f"{scheduler} runs a sweep as one job per point, not one script: render a point with --set "
             f"(e.g. --set {sweep.keys[0]}=...), or submit the sweep with jobgen submit --sweep"
         )
-    for warning in chosen.warnings(resolved.job) + deepspeed_findings(resolved.job):
-        click.echo(f"jobgen: warning: {warning}", err=True)
+    echo_warnings_of(job.render_warnings(scheduler))
     if sweep is not None:
         script = render_array(points, sweep.max_running, scheduler, template_dirs)
     else:
-        script = render_script(resolved, scheduler, template_dirs)
+        script = job.render(scheduler, template_dirs=template_dirs)
     if output is None:
         click.echo(script, nl=False)
         return
@@ -88,71 +88,29 @@ def validate(
     before its templates: the launcher, the container and the extra directives. With --sweep or
     --sweep-file, check every point's job too, e.g. jobgen validate job.yaml --sweep training.lora.r=8,16.
     """
-    resolved = resolve(config, site, overrides)
-    job = resolved.job
-    check_files(job)
+    job = load_job(config, site, overrides)
+    resolved = job.resolved
+    echo_warnings_of(job.check_files())
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
     _check_point_files(resolved, points)
     scheduler = scheduler or resolved.site.scheduler
     if scheduler:
-        from jobgen.schedulers import get_scheduler
-        from jobgen.script.checks import check_for_scheduler
+        warnings = job.check_scheduler(scheduler)
+        if sweep is not None:
+            from jobgen.schedulers import get_scheduler
 
-        chosen = get_scheduler(scheduler)
-        check_for_scheduler(job, chosen)
-        if sweep is not None and chosen.job_arrays:
-            from jobgen.script.checks import check_array_points
+            chosen = get_scheduler(scheduler)
+            if chosen.job_arrays:
+                from jobgen.script.checks import check_array_points, check_for_scheduler
 
-            check_for_scheduler(points[0].job, chosen, (len(points), sweep.max_running))
-            check_array_points([point.job for point in points], chosen)
-        for warning in chosen.warnings(job):
-            click.echo(f"jobgen: warning: {warning}", err=True)
-    from jobgen.script.template_search import override_folders
-
-    folders = override_folders(template_dirs, resolved.site.template_dir)
-    if folders:  # Jinja is imported only with overrides to check
-        from jobgen.script.render import check_templates
-
-        check_templates(folders)
+                check_for_scheduler(points[0].job, chosen, (len(points), sweep.max_running))
+                check_array_points([point.job for point in points], chosen)
+        echo_warnings_of(warnings)
+    job.check_templates(template_dirs)
     checked = f"checked for {scheduler}" if scheduler else "not checked against a scheduler (give --scheduler)"
-    if job.training is None:
-        what = f"runs its own program ({job.launch.command[0]} ...; launch.command)"
-    else:
-        what = (f"global batch {job.global_batch}; {planned_steps(job)}; {job.training.method}, "
-                f"ZeRO-{job.training.zero_stage}, {job.training.precision}")
-    click.echo(
-        f"{config}: ok: {job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size "
-        f"{'-'.join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))} ({job.backend}); "
-        f"{what}; {checked}"
-    )
+    click.echo(f"{config}: ok: {job.describe()}; {checked}")
     if sweep is not None:
         click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
-
-
-def planned_steps(job) -> str:
-    """The run's optimizer steps (and warmup), as the trainer will count them: `3 epochs x 40 steps
-    = 120 steps, warmup 4`. Packed rows are only known once tokenized."""
-    import math
-    import os
-
-    from jobgen.job.conversations import check_conversations
-    from jobgen.job.preflight import CHECK_WHOLE_BYTES, working_directory
-    from jobgen.job.sources import data_paths
-
-    t = job.training
-    if t.max_steps is not None:
-        total, how = t.max_steps, f"{t.max_steps} steps (max_steps)"
-    else:
-        paths = [os.path.join(working_directory(job), path) for path in data_paths(t.data)]
-        path = paths[0]
-        # Packed rows, and the pieces of long texts, are counted by tokenizing; a big file is not read here.
-        if (t.packing or t.data_format == "text" or len(paths) > 1 or not os.path.isfile(path)
-                or os.path.getsize(path) > CHECK_WHOLE_BYTES):
-            return f"{t.epochs} epoch(s) (steps known once the data is tokenized)"
-        per_epoch = math.ceil(check_conversations(path, t.data_format).good / job.global_batch)
-        total, how = per_epoch * t.epochs, f"{t.epochs} epoch(s) x {per_epoch} steps = {per_epoch * t.epochs} steps"
-    warmup = t.warmup_of(total)
-    return how + (f", warmup {warmup}" if warmup else "")
 
 
 @click.command()
@@ -195,11 +153,10 @@ def submit(
     on PBS and Torque one job per point, locally one point after another. `jobgen status RUN_DIR`
     then shows every point; `jobgen status|logs|cancel RUN_DIR/POINT` one.
     """
-    from jobgen.rundir import submission
-
-    resolved = resolve(config, site, overrides)
+    job = load_job(config, site, overrides)
+    resolved = job.resolved
     scheduler = scheduler_for(scheduler, resolved)
-    check_files(resolved.job)
+    echo_warnings_of(job.check_files())
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
     _check_point_files(resolved, points)
     if sweep is not None:
@@ -209,22 +166,23 @@ def submit(
     if resume_from:
         _set_aside_after(resolved, resume_from, dry_run)
     if dry_run:
-        planned = submission.plan(resolved, scheduler, template_dirs)
+        planned = job.plan(scheduler, template_dirs=template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
         click.echo(f"# ---- {planned.script_path} ----", err=True)
         click.echo(planned.script, nl=False)
         return
     from jobgen.schedulers import get_scheduler
 
-    job_id, planned = submission.submit(resolved, scheduler, template_dirs)
+    run = job.submit(scheduler, template_dirs=template_dirs, check_files=False)  # checked above
     foreground = get_scheduler(scheduler).runs_in_foreground
     done = f"ran {scheduler} job" if foreground else "submitted job"
-    click.echo(f"jobgen: {done} {job_id}; run directory {planned.run.path}", err=True)
-    click.echo(job_id)
+    click.echo(f"jobgen: {done} {run.job_id}; run directory {run.run_dir}", err=True)
+    click.echo(run.job_id)
     if foreground:  # the job has ended: its outcome is the command's
+        from jobgen.rundir.run import RunDir
         from jobgen.rundir.status import foreground_exit_status
 
-        sys.exit(foreground_exit_status(planned.run))
+        sys.exit(foreground_exit_status(RunDir(run.run_dir)))
 
 
 def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:

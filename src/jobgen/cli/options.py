@@ -71,26 +71,26 @@ template_dir_option = click.option(
 )
 
 
-def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):
-    """The job with every layer applied, checked against its site profile: the profile's
-    scheduler exists, and the job keeps within the limits of its partition (or queue)."""
-    from jobgen.job.layers import resolve_job
-    from jobgen.job.sites import check_limits, check_policy, chosen_site
-    from jobgen.schedulers import get_scheduler
+def load_job(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):
+    """The job resolved once (jobgen.api.Job): every layer applied, checked against its site
+    profile (the profile's scheduler exists, the job keeps within its partition's or queue's
+    limits and the site's policy); resolving's warnings printed."""
+    from jobgen.api import Job
 
-    resolved = resolve_job(config, chosen_site(site), overrides)
-    word = "partition"
-    if resolved.site.scheduler:
-        try:
-            word = get_scheduler(resolved.site.scheduler).partition_word
-        except JobgenError as error:
-            raise JobgenError(f"{resolved.site.path}: 'scheduler': {error}") from None
-    check_limits(resolved.job, resolved.site, str(config), word)
-    check_policy(resolved.job, resolved.site, str(config))
+    job = Job.load(config, site=site, overrides=overrides)
     if echo_warnings:
-        for warning in resolved.warnings:
-            click.echo(f"jobgen: warning: {warning}", err=True)
-    return resolved
+        echo_warnings_of(job.warnings)
+    return job
+
+
+def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):
+    """load_job's resolution as the rendering and submission code take it (a ResolvedJob)."""
+    return load_job(config, site, overrides, echo_warnings).resolved
+
+
+def echo_warnings_of(warnings: list[str]) -> None:
+    for warning in warnings:
+        click.echo(f"jobgen: warning: {warning}", err=True)
 
 
 sweep_options = [
@@ -157,37 +157,8 @@ def scheduler_for(option: Optional[str], resolved) -> str:
     )
 
 
-def deepspeed_findings(job) -> list[str]:
-    """render's reading of training.deepspeed_config, where that file is here: what validate
-    would refuse, and its notices, as warnings (render checks no other file: a script may be
-    rendered for another machine, but a DeepSpeed JSON the trainer refuses is the same anywhere)."""
-    import os
-
-    from jobgen.errors import UserError
-    from jobgen.job.preflight import working_directory
-    from jobgen.rundir.model_pin import at_its_pin
-    from jobgen.train.dsconfig import check_job_deepspeed
-
-    path = job.training.deepspeed_config if job.training is not None else None
-    if not path or job.launch.entrypoint == "jobgen-probe" or not os.path.isfile(os.path.join(working_directory(job), path)):
-        return []
-    try:
-        return check_job_deepspeed(at_its_pin(job), working_directory(job))
-    except UserError as error:
-        return str(error).splitlines()
-
-
 def check_files(job) -> None:
     """validate and submit, not render: a script may be rendered for a machine this is not."""
-    from jobgen.job.preflight import check_job_files, working_directory
-    from jobgen.rundir.model_pin import at_its_pin
-    from jobgen.train.dsconfig import check_job_deepspeed
-    from jobgen.train.init_from import check_job as check_init_from
+    from jobgen.api import files_warnings
 
-    job = at_its_pin(job)  # a resubmitted run loads the commit it started with
-    warnings = check_job_files(job)
-    if job.launch.entrypoint != "jobgen-probe" and job.training is not None:
-        warnings += check_job_deepspeed(job, working_directory(job))
-        warnings += check_init_from(job, working_directory(job))
-    for warning in warnings:
-        click.echo(f"jobgen: warning: {warning}", err=True)
+    echo_warnings_of(files_warnings(job))

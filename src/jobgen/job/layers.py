@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from jobgen.errors import JobgenError, describe_errors
+from jobgen.errors import InvalidJob, JobgenError, describe_errors
 from jobgen.job.models import Job
 from jobgen.job.nccl import not_nccl_warnings
 from jobgen.job.sites import SiteProfile, load_site
@@ -50,9 +50,11 @@ def validated(layered: dict[str, Any], site: SiteProfile, source: str, overrides
     try:
         job = Job.model_validate(layered)
     except ValidationError as error:
-        raise JobgenError("\n".join(
-            describe_errors([item], Job, _source_of(item["loc"], source, overrides)) for item in error.errors()
-        )) from None
+        items = error.errors()
+        raise InvalidJob(
+            "\n".join(describe_errors([item], Job, _source_of(item["loc"], source, overrides)) for item in items),
+            fields=tuple(".".join(str(part) for part in item["loc"]) for item in items),
+        ) from None
     return ResolvedJob(job=job, site=site, warnings=job_warnings(job))
 
 
