@@ -228,3 +228,18 @@ print("training ended")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split("\n")[:2] == ["training ended", "at exit, process group: False"], ran.stdout
+
+
+def test_after_training_the_callback_has_the_stop_signals_ignored_while_the_interpreter_ends(tmp_path: Path) -> None:
+    # A rank that read the stop file saved and returned before jobgen-torchrun's SIGTERM came: while
+    # Python finalizes, the signal's default action would kill it (a failed node, seen in the example's
+    # test). What an earlier atexit handler (run after the callback's) sees is what finalization meets.
+    code = f'''
+import atexit, signal
+atexit.register(lambda: print("at exit:", [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGUSR1)]))
+from jobgen.train.hf import JobgenCallback
+JobgenCallback(run_dir=str("{tmp_path}")).on_train_end(None, None, None)
+'''
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "at exit: [True, True]\n", ran.stdout

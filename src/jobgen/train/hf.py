@@ -11,8 +11,9 @@ moments), then every rank sets `should_save` and `should_training_stop`: the Tra
 checkpoint-N of that step and `train()` returns, and the script exits 0, which jobgen reads, after
 its stop request, as "stopped with a checkpoint" and requeues.
 
-At the end of training it also has the process group destroyed when the script exits, while
-Python is still whole: a Trainer never destroys it, and gloo's worker threads can then abort
+At the end of training it also has the stop signals ignored once the script exits (a late one
+would kill the rank while Python finalizes) and the process group destroyed, while Python is
+still whole: a Trainer never destroys it, and gloo's worker threads can then abort
 (SIGABRT) the interpreter's finalization on some rank of a complete run (pytorch/pytorch#179291),
 which jobgen would read as a failed node.
 
@@ -50,6 +51,7 @@ class StopAtStepEnd:
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         atexit.register(destroy_gloo_process_group)
+        atexit.register(ignore_stop_signals)  # registered last: runs first
         return control
 
     def _agreed(self, args: Any) -> bool:
@@ -66,6 +68,18 @@ class StopAtStepEnd:
         flag = torch.tensor([asked], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def ignore_stop_signals() -> None:
+    """At exit: the stop signals ignored from here on. Python restores a signal's default action
+    while it finalizes, so the stop signal jobgen-torchrun forwards after this rank already read the
+    stop file (and saved) would kill it there, and a rank killed by a signal is a failed node."""
+    import signal
+
+    from jobgen.train.stop import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def destroy_gloo_process_group() -> None:

@@ -1,0 +1,82 @@
+"""The shipped own-program example (examples/own-program: finetune.py, a Hugging Face Trainer with
+JobgenCallback, and cpu-2node.yaml) run as a user runs it: the local scheduler, two simulated
+nodes of one rank each on the CPU, stopped once (Ctrl-C to jobgen) and resumed to the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import REPO, jobgen, tiny_model
+
+EXAMPLE = REPO / "examples" / "own-program"
+STEPS, SAVE_STEPS, BATCH = 60, 10, 4
+
+
+def example_job(folder: Path, **changed: str) -> Path:
+    """The example's files in FOLDER, its job with these TrainingArguments changed (enough steps to
+    stop it midway), and the tiny model it names."""
+    for name in ("finetune.py", "train.jsonl", "cpu-2node.yaml"):
+        shutil.copy(EXAMPLE / name, folder / name)
+    tiny_model(folder / "tiny")
+    job = yaml.safe_load((folder / "cpu-2node.yaml").read_text())
+    command = job["launch"]["command"]
+    for option, value in changed.items():
+        flag = f"--{option}"
+        if flag in command:
+            command[command.index(flag) + 1] = value
+        else:
+            command += [flag, value]
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    return folder / "job.yaml"
+
+
+def test_the_example_trains_data_parallel_stops_with_a_checkpoint_and_resumes_to_completed(tmp_path: Path) -> None:
+    config = example_job(tmp_path, max_steps=str(STEPS), save_steps=str(SAVE_STEPS))
+    rows = len((tmp_path / "train.jsonl").read_text().splitlines())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    submit = [sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", config.name]
+    run_dir = tmp_path / "runs" / "own-program-cpu"
+
+    first = subprocess.Popen(submit, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (tmp_path / "output" / f"checkpoint-{SAVE_STEPS}" / "trainer_state.json").exists():
+            assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.1)
+        os.kill(first.pid, signal.SIGINT)  # jobgen alone, as a time limit's warning reaches the batch shell
+        said, _ = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    status = json.loads(jobgen("status", "--json", str(run_dir)).stdout)
+    stopped = status["segments"][-1]
+    assert stopped["outcome"] not in ("completed", "failed", "running or lost"), (stopped, said[-3000:])
+    stopped_at = int(stopped["last_step"])
+    assert SAVE_STEPS <= stopped_at < STEPS
+    # train() returned after the stop: the script saw JobgenCallback.stopped_at and saved no final model.
+    assert not (tmp_path / "output" / "final").exists()
+
+    second = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    logs = "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*.out")))
+    assert f"resuming from {tmp_path}/output/checkpoint-{stopped_at}" in logs
+    status = json.loads(jobgen("status", "--json", str(run_dir)).stdout)
+    assert [s["outcome"] for s in status["segments"]][-1] == "completed", status["segments"]
+    assert (tmp_path / "output" / "final" / "config.json").exists()
+    state = json.loads((tmp_path / "output" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    # One data-parallel run: each step takes BATCH rows on each of the 2 ranks, so an epoch is half
+    # the steps one process would take (two separate copies each counted rows / BATCH a epoch).
+    assert state["global_step"] == STEPS
+    assert state["epoch"] == STEPS / (rows / (BATCH * 2)), state["epoch"]
+    assert "parallel_mode != ParallelMode.DISTRIBUTED" not in logs
