@@ -3,6 +3,7 @@
     main.py       the `jobgen` group: one line per error, the start-up costs skipped
     options.py    the options every job command shares, and resolving a job file with them
     job.py        render, validate, submit, schema
+    init.py       init: a first job file, commented, from answers, flags or a recipe
     prepare.py    prepare: the job's data tokenized into its store ahead of the job
     runs.py       runs (list), status, logs, cancel, plot
     sites.py      jobgen sites list|show|check
