@@ -163,6 +163,24 @@ def test_resume_from_a_chosen_checkpoint_of_the_own_program_sets_the_later_ones_
     assert [int(line) for line in (tmp_path / "steps.log").read_text().split()] == list(range(11, 31))
 
 
+def test_a_local_run_shows_node_0s_output_and_each_rank_has_its_log(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text('import os, sys\nprint(f"rank {os.environ[\'RANK\']} says hello")\n'
+                                       'print(f"rank {os.environ[\'RANK\']} warns", file=sys.stderr)\n')
+    config = write_job(tmp_path, {"command": ["python", "train.py"], "procs_per_node": 1},
+                       resources={"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"})
+    ran = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    assert ran.returncode == 0, ran.stderr
+    # The terminal: node 0's output (its one rank), not node 1's, which is in its own log.
+    assert "rank 0 says hello" in ran.stderr and "rank 0 warns" in ran.stderr, ran.stderr
+    assert "rank 1 says" not in ran.stderr
+    run_dir = str(tmp_path / "runs" / "own")
+    for rank in (0, 1):
+        log = jobgen("logs", run_dir, "--rank", str(rank))
+        assert log.returncode == 0, log.stderr
+        assert f"rank {rank} says hello\nrank {rank} warns\n" in log.stdout and f"rank {1 - rank}" not in log.stdout
+    assert "rank 1 says hello" in jobgen("logs", run_dir, "--node", "1").stdout  # the node logs keep every line
+
+
 def test_a_command_not_on_the_node_is_one_line_in_its_log(tmp_path: Path) -> None:
     config = write_job(tmp_path, {"command": ["finetune-not-installed", "--x"]})
     result = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=120)

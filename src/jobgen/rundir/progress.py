@@ -189,10 +189,14 @@ class StopRequests:
                 pass  # it has ended already
 
 
-def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextIO, stops: StopRequests) -> None:
+def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextIO, stops: StopRequests,
+                  node_log: Optional[Path] = None) -> None:
     """Until `process` (whose stdout is a pipe) ends: its output, and the run's progress; a stop
-    jobgen is asked for is passed on to it (StopRequests), and its output read to the end."""
+    jobgen is asked for is passed on to it (StopRequests), and its output read to the end. With
+    `node_log`, that log's new lines too (the job's own program writes no progress of jobgen's:
+    its node 0's output is what there is to see)."""
     stops.watching(process)
+    node_offset = 0
     display = Display(out, out.isatty())
     tail = JsonlTail(output_dir(run_path) / METRICS_FILE, from_end=True)
     selector = selectors.DefaultSelector()
@@ -207,8 +211,12 @@ def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextI
                 if not data:
                     open_pipe = False
                 display.text(decoder.decode(data, final=not data))
+            if node_log is not None:
+                node_offset = _show_new_text(node_log, node_offset, display)
             for record in tail.new_records():
                 display.progress(record)
+        if node_log is not None:
+            _show_new_text(node_log, node_offset, display)
         for record in tail.new_records():
             display.progress(record)
         display.close()

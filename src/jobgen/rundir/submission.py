@@ -17,6 +17,7 @@ from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
 from jobgen.files import write_atomic
 from jobgen.script.render import job_yaml, render
+from jobgen.rundir import files as runfiles
 from jobgen.rundir.progress import StopRequests, watch_process
 from jobgen.rundir.run import RunDir
 from jobgen.schedulers import get_scheduler
@@ -58,7 +59,9 @@ def submit(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
     with nullcontext(stops) if stops else StopRequests() as watched:  # from before the job starts: no stop is missed
         job_id = scheduler.submit(resolved.job, planned.script_path, planned.run.path)
         planned.run.record_submission(job_id, scheduler.name, script=str(planned.script_path))
-        watch_process(scheduler.process, planned.run.path, sys.stderr, watched)  # its output and progress, until it ends
+        # Its output and progress, until it ends; the job's own program's node 0 output too.
+        node_log = planned.run.path / runfiles.node_log(job_id, 0) if resolved.job.own_command else None
+        watch_process(scheduler.process, planned.run.path, sys.stderr, watched, node_log)
     return job_id, planned
 
 

@@ -171,6 +171,23 @@ class StopFileForwarder:
         sys.stderr.write(f"jobgen-torchrun: stop requested: sent {self.signum.name} to the ranks\n")
 
 
+def with_rank_logs(argv: list[str]) -> list[str]:
+    """The job's own program (a forwarder is made for it alone) started through
+    jobgen.train.rank_output, which gives each rank its rank log as jobgen-train's have, then
+    runs the program in its place. Only with --no-python (node.sh's): otherwise torchrun runs
+    the script with Python itself, and argv stays as it is."""
+    from torch.distributed.run import get_args_parser
+
+    try:
+        parsed = get_args_parser().parse_args(argv[1:])
+    except SystemExit:  # torchrun itself says what is wrong with its arguments
+        return argv
+    if not parsed.no_python:
+        return argv
+    program = len(argv) - len(parsed.training_script_args) - 1  # REMAINDER: the words after it are its own
+    return [*argv[:program], sys.executable, "-m", "jobgen.train.rank_output", *argv[program:]]
+
+
 def child_pids() -> list[int]:
     """This process's children, from every thread's (Linux /proc)."""
     pids = []
@@ -293,6 +310,7 @@ def run() -> None:
     forwarder = StopFileForwarder.from_env()
     if forwarder is not None:
         forwarder.start()
+        sys.argv = with_rank_logs(sys.argv)
     try:
         torchrun_main()
     except SignalException as stop:
