@@ -6,6 +6,7 @@
     init.py       init: a first job file, commented, from answers, flags or a recipe
     prepare.py    prepare: the job's data tokenized into its store ahead of the job
     runs.py       runs (list), status, logs, cancel, plot
+    export.py     export: a finished run's model, a LoRA adapter merged into its base
     sites.py      jobgen sites list|show|check
     templates.py  jobgen templates list|show
 

@@ -8,6 +8,7 @@ import click
 
 from jobgen.cli import job, runs
 from jobgen.cli.data import data
+from jobgen.cli.export import export
 from jobgen.cli.init import init
 from jobgen.cli.prepare import prepare
 from jobgen.cli.sites import sites
@@ -45,7 +46,7 @@ def main() -> None:
     """
 
 
-for command in (init, job.render, job.validate, job.schema, job.submit, prepare, data, runs.runs, runs.status, runs.cancel, runs.logs, sites, runs.plot, templates):
+for command in (init, job.render, job.validate, job.schema, job.submit, prepare, data, runs.runs, runs.status, runs.cancel, runs.logs, sites, runs.plot, export, templates):
     main.add_command(command)
 
 if __name__ == "__main__":
