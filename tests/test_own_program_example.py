@@ -80,3 +80,13 @@ def test_the_example_trains_data_parallel_stops_with_a_checkpoint_and_resumes_to
     assert state["global_step"] == STEPS
     assert state["epoch"] == STEPS / (rows / (BATCH * 2)), state["epoch"]
     assert "parallel_mode != ParallelMode.DISTRIBUTED" not in logs
+
+    # jobgen plot: the loss is the Trainer's log_history (the newest checkpoint's trainer_state.json),
+    # each segment's steps its own; no goodput, which would need the program's training time.
+    drawn = jobgen("plot", str(run_dir), "-o", str(tmp_path / "run.png"), "--data", str(tmp_path / "run.json"))
+    assert drawn.returncode == 0, drawn.stderr
+    data = json.loads((tmp_path / "run.json").read_text())
+    first, second = data["segments"]
+    assert first["steps"] == list(range(1, stopped_at + 1)) and second["steps"] == list(range(stopped_at + 1, STEPS + 1))
+    assert first["loss"] + second["loss"] == [r["loss"] for r in state["log_history"] if "loss" in r]
+    assert data["goodput"] is None and data["goodput_unknown"] == "n/a: an own program (launch.command) tells jobgen no training time"

@@ -83,16 +83,10 @@ def own_command_summary(run: RunDir, command: list[Any]) -> dict[str, Any]:
     """summary() for the job's own program: it tells jobgen nothing while it runs, so the step and
     loss are the newest complete checkpoint's (its trainer_state.json log_history, a Hugging Face
     Trainer's), which the batch script names in RUN_DIR/newest-checkpoint at each segment's end."""
-    last: dict[str, Any] = {}
-    try:
-        checkpoint = (run.path / runfiles.NEWEST_CHECKPOINT).read_text(encoding="utf-8").strip()
-        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")) if checkpoint else {}
-        history = state.get("log_history") if isinstance(state, dict) else None
-        logged = [entry for entry in history or () if isinstance(entry, dict) and "loss" in entry]
-        last = {"step": state.get("global_step"), "total_steps": state.get("max_steps"),
-                "loss": logged[-1]["loss"] if logged else None}
-    except (OSError, ValueError, AttributeError):
-        pass
+    state = own_program_state(run)
+    logged = [entry for entry in own_program_history(state) if "loss" in entry]
+    last = {"step": state.get("global_step"), "total_steps": state.get("max_steps"),
+            "loss": logged[-1]["loss"] if logged else None}
     words = " ".join(str(word) for word in command)
     return {
         "entrypoint": OWN_COMMAND, "step": _number(last, "step"), "total_steps": _number(last, "total_steps"),
@@ -101,6 +95,24 @@ def own_command_summary(run: RunDir, command: list[Any]) -> dict[str, Any]:
                        "runs; steps and loss are its newest complete checkpoint's (trainer_state.json); no goodput "
                        "or time to the first step",
     }
+
+
+def own_program_state(run: RunDir) -> dict[str, Any]:
+    """The trainer_state.json of the checkpoint RUN_DIR/newest-checkpoint names (the batch script
+    writes it at each segment's end); {} when there is none or it cannot be read."""
+    try:
+        checkpoint = (run.path / runfiles.NEWEST_CHECKPOINT).read_text(encoding="utf-8").strip()
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")) if checkpoint else {}
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def own_program_history(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Trainer's log_history: its logged records ({"step", "loss", ...}, {"step", "eval_loss"}),
+    every segment's up to that checkpoint, as a resumed Trainer carries them on."""
+    history = state.get("log_history")
+    return [entry for entry in history if isinstance(entry, dict)] if isinstance(history, list) else []
 
 
 def _eval_of(record: Optional[dict[str, Any]]) -> Optional[dict[str, float]]:

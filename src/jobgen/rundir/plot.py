@@ -1,6 +1,8 @@
 """`jobgen plot`: a picture of a run. Above, the loss and tokens/s over the optimizer steps with
 each segment's start marked; below, the segments on a wall-clock timeline, each with how it ended
 (preempted, time limit, completed, ...) and the run's goodput as `jobgen status` computes it.
+For the job's own program (launch.command) the loss is its Trainer's log_history, as `jobgen
+status` reads it, and the goodput "n/a": jobgen does not see its training time.
 
 matplotlib is an optional extra (`pip install 'jobgen[plot]'`): the data is gathered without it
 (`plot_data`, also written by `--data`), and only drawing needs it.
@@ -31,7 +33,10 @@ def plot_data(target: str) -> dict[str, Any]:
     if not segments:
         raise JobgenError(f"{run.path} has no segment yet: nothing to plot")
     starts = [_epoch(s["started_at"]) for s in segments]
-    mine_of = records_by_segment(segments, metrics(run.path))
+    settings = run.settings()
+    launch = settings.get("launch") if isinstance(settings.get("launch"), dict) else {}
+    own = bool(launch.get("command"))
+    mine_of = own_program_records(segments, run) if own else records_by_segment(segments, metrics(run.path))
     entries = []
     for i, segment in enumerate(segments):
         mine = mine_of[i]
@@ -46,7 +51,34 @@ def plot_data(target: str) -> dict[str, Any]:
             "tokens_per_s": [r.get("tokens_per_s") for r in trained],
             "eval": [[r["step"], r["eval_loss"]] for r in mine if isinstance(r.get("eval_loss"), (int, float))],
         })
+    if own:  # its training time is the program's own: jobgen sees only how long the nodes were held
+        return {"run_dir": str(run.path), "goodput": None, "goodput_unknown": OWN_GOODPUT, "segments": entries}
     return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
+
+
+OWN_GOODPUT = "n/a: an own program (launch.command) tells jobgen no training time"
+
+
+def own_program_records(segments: list[dict[str, Any]], run) -> list[list[dict[str, Any]]]:
+    """Each segment's records for the job's own program: the Trainer's log_history in its newest
+    complete checkpoint (jobgen.rundir.outcome), a record to the segment whose steps hold it
+    (after its first step, up to its last checkpoint's); steps trained after a segment's last
+    checkpoint were lost with it and are not in the history."""
+    from jobgen.rundir.outcome import own_program_history, own_program_state
+
+    def step_of(value: Any) -> int:
+        return value if isinstance(value, int) else 0  # none yet: before the first checkpoint
+
+    found: list[list[dict[str, Any]]] = [[] for _ in segments]
+    for record in own_program_history(own_program_state(run)):
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        i = next((i for i in reversed(range(len(segments)))
+                  if step_of(segments[i]["first_step"]) < step <= step_of(segments[i]["last_step"])), None)
+        if i is not None:
+            found[i].append(record)
+    return found
 
 
 def records_by_segment(segments: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -93,7 +125,10 @@ def draw(data: dict[str, Any]) -> bytes:
                         rotation=90, va="top", ha="right", color="gray")
     curves.set_xlabel("optimizer step")
     curves.set_ylabel("loss", color="tab:blue")
-    speed.set_ylabel("tokens/s", color="tab:orange")
+    if any(v is not None for segment in data["segments"] for v in segment["tokens_per_s"]):
+        speed.set_ylabel("tokens/s", color="tab:orange")
+    else:  # an own program's records have no throughput: no empty axis for it
+        speed.set_axis_off()
     curves.set_title(Path(data["run_dir"]).name)
 
     origin = _epoch(data["segments"][0]["started_at"])
@@ -106,8 +141,11 @@ def draw(data: dict[str, Any]) -> bytes:
     timeline.set_yticks([])
     timeline.set_xlabel("minutes since the first segment started")
     goodput_value = data["goodput"]
-    timeline.set_title("segments; goodput " + ("-" if goodput_value is None else f"{goodput_value:.1%}")
-                       + " (training time / time the finished segments held their nodes)", fontsize=9)
+    if data.get("goodput_unknown"):
+        timeline.set_title(f"segments; goodput {data['goodput_unknown']}", fontsize=9)
+    else:
+        timeline.set_title("segments; goodput " + ("-" if goodput_value is None else f"{goodput_value:.1%}")
+                           + " (training time / time the finished segments held their nodes)", fontsize=9)
     figure.tight_layout()
     return _png(figure)
 
