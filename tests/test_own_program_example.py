@@ -90,3 +90,30 @@ def test_the_example_trains_data_parallel_stops_with_a_checkpoint_and_resumes_to
     assert first["steps"] == list(range(1, stopped_at + 1)) and second["steps"] == list(range(stopped_at + 1, STEPS + 1))
     assert first["loss"] + second["loss"] == [r["loss"] for r in state["log_history"] if "loss" in r]
     assert data["goodput"] is None and data["goodput_unknown"] == "n/a: an own program (launch.command) tells jobgen no training time"
+
+
+def test_the_example_reports_to_wandb_and_mlflow_with_one_report_to_word(tmp_path: Path, monkeypatch) -> None:
+    """HfArgumentParser takes one word after --report_to (`--report_to wandb mlflow` is refused:
+    "Some specified arguments are not used"); the example splits `wandb,mlflow`, and rank 0 logs
+    every step once into the one W&B and MLflow run jobgen keeps (launch.report_to)."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_trackers import wandb_history
+
+    config = example_job(tmp_path, max_steps="4", report_to="wandb,mlflow")
+    job = yaml.safe_load(config.read_text())
+    job["launch"]["report_to"] = ["wandb", "mlflow"]
+    config.write_text(yaml.safe_dump(job))
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+           "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"), "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}
+    for name in ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    ran = jobgen("submit", "-s", "local", config.name, cwd=tmp_path, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "own-program-cpu"
+    kept = json.loads((run_dir / "trackers.json").read_text())
+    rows = [row for row in wandb_history(run_dir, kept["wandb"]) if "train/loss" in row]
+    assert [row["train/global_step"] for row in rows] == [1, 2, 3, 4]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=kept["mlflow"]["tracking_uri"])
+    assert sorted(metric.step for metric in client.get_metric_history(kept["mlflow"]["run_id"], "loss")) == [1, 2, 3, 4]
