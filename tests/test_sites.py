@@ -90,6 +90,26 @@ def test_the_scheduler_comes_from_the_profile_unless_given(tmp_path: Path, site:
     )
 
 
+def test_a_list_in_the_job_file_that_drops_the_sites_items_says_so(tmp_path: Path, site: dict) -> None:
+    """Mappings merge key by key, a list is replaced whole: a job file's environment.modules that
+    leaves out a module the site profile loads is a warning naming the key and what it drops."""
+    write_yaml(tmp_path / "sites" / "testsite.yaml", {**PROFILE, "defaults": {
+        **PROFILE["defaults"], "environment": {"modules": ["cuda/12.4", "nccl/2.21"], "setup": ["ulimit -n 4096"]}}})
+    job = {**JOB, "resources": {**JOB["resources"], "time_limit": "01:00:00"},
+           "launch": {"entrypoint": "jobgen-probe"}}  # no model or data for validate to read
+    config = write_yaml(tmp_path / "job.yaml", {**job, "environment": {"modules": ["cuda/12.4", "gcc/13"]}})
+    for command in (["validate"], ["render", "-o", "/dev/null"]):
+        result = jobgen(*command, "--site", "testsite", str(config), cwd=tmp_path, env=site)
+        assert result.returncode == 0, result.stderr
+        assert [line for line in result.stderr.splitlines() if "replaces" in line] == [
+            f"jobgen: warning: environment.modules in {config} replaces the site profile's list (testsite), dropping "
+            f"nccl/2.21: lists are not merged; add it to environment.modules in {config} to keep it"
+        ], command
+    # A list that keeps every item of the site's (or a key the job file leaves alone) is no news.
+    write_yaml(config, {**job, "environment": {"modules": ["nccl/2.21", "cuda/12.4", "gcc/13"]}})
+    assert "replaces" not in jobgen("validate", "--site", "testsite", str(config), cwd=tmp_path, env=site).stderr
+
+
 def test_the_default_site_comes_from_the_users_config_and_none_opts_out(tmp_path: Path, site: dict) -> None:
     config = write_yaml(tmp_path / "job.yaml", {**JOB, "resources": {"gpus_per_node": 4}})
     write_yaml(tmp_path / "config" / "jobgen" / "config.yaml", {"site": "testsite"})

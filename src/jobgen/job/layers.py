@@ -8,7 +8,7 @@ result by the caller, who knows what the scheduler calls a partition (`jobgen.jo
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,17 +31,33 @@ class ResolvedJob:
 
 def resolve_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> ResolvedJob:
     """The validated job with every layer applied, and the warnings that do not stop it."""
-    layered, site = layered_job(config, site_name, overrides)
-    return validated(layered, site, str(config), overrides)
+    layered, site, replaced = _layers(config, site_name, overrides)
+    resolved = validated(layered, site, str(config), overrides)
+    return replace(resolved, warnings=replaced + resolved.warnings)
 
 
 def layered_job(config: Path, site_name: Optional[str] = None, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], SiteProfile]:
     """The job's layers merged, not yet validated (a sweep applies each point's values to it)."""
+    layered, site, _ = _layers(config, site_name, overrides)
+    return layered, site
+
+
+def _layers(config: Path, site_name: Optional[str], overrides: tuple[str, ...]) -> tuple[dict[str, Any], SiteProfile, list[str]]:
+    """layered_job's, and a warning for each list of the site profile that the job file replaced."""
     site = load_site(site_name)
-    layered = merge(copy.deepcopy(site.defaults), _read_yaml(config))
+    replaced: list[tuple[str, list[Any], Any]] = []
+    layered = merge(copy.deepcopy(site.defaults), _read_yaml(config), replaced=replaced)
     for override in overrides:
         apply_override(layered, override)
-    return layered, site
+    return layered, site, [replaced_list_warning(key, dropped, str(config), site) for key, dropped, _ in replaced]
+
+
+def replaced_list_warning(key: str, dropped: list[Any], source: str, site: SiteProfile) -> str:
+    """One line: which key's list of the site profile the job file replaced, and what that dropped."""
+    them = "it" if len(dropped) == 1 else "them"
+    return (f"{key} in {source} replaces the site profile's list ({site.name}), dropping "
+            f"{', '.join(str(item) for item in dropped)}: lists are not merged; add {them} to {key} in {source} "
+            f"to keep {them}")
 
 
 def validated(layered: dict[str, Any], site: SiteProfile, source: str, overrides: tuple[str, ...] = ()) -> ResolvedJob:
@@ -68,12 +84,20 @@ def _source_of(loc: tuple[Any, ...], source: str, overrides: tuple[str, ...]) ->
     return source
 
 
-def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge: mappings merge key by key, anything else in `top` replaces `base`."""
+def merge(base: dict[str, Any], top: dict[str, Any], replaced: Optional[list[tuple[str, list[Any], Any]]] = None,
+          prefix: str = "") -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, anything else in `top` replaces `base`. With
+    `replaced`, each list of `base` that a list of `top` replaced and lost items of is appended to
+    it as (dotted key, the items dropped, the new list)."""
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
-            merge(base[key], value)
+            merge(base[key], value, replaced, f"{prefix}{key}.")
         else:
+            old = base.get(key)
+            if replaced is not None and isinstance(old, list) and isinstance(value, list):
+                dropped = [item for item in old if item not in value]
+                if dropped:
+                    replaced.append((f"{prefix}{key}", dropped, value))
             base[key] = copy.deepcopy(value)
     return base
 
