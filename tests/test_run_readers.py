@@ -31,7 +31,8 @@ def write_run(run_dir: Path, state: Path, jobs: list[dict], *, nodes: int = 2, p
     for entry in jobs:
         job_id = entry["id"]
         append(run_dir / "submissions.jsonl", {"job_id": job_id, "scheduler": "local", "submitted_at": "2026-01-01T00:00:00Z"})
-        append(state / "jobgen" / "index.jsonl", {"job_id": job_id, "scheduler": "local", "run_dir": str(run_dir)})
+        append(state / "jobgen" / "index.jsonl", {"job_id": job_id, "scheduler": "local", "run_dir": str(run_dir),
+                                                  "submitted_at": "2026-01-01T00:00:00Z"})
         for started, ended, outcome, first, last, restart in entry.get("segments", []):
             common = {"job_id": job_id, "restart": restart, "started_at": started}
             append(run_dir / "segments.jsonl", {"event": "start", **common, "at": started, "first_step": None,
@@ -84,12 +85,32 @@ def two_jobs(tmp_path: Path, state: Path) -> Path:
 
 
 def test_logs_of_a_job_id_print_that_jobs_logs_not_the_newest(two_jobs: Path, env: dict) -> None:
-    assert jobgen("logs", "local-1", env=env).stdout == "batch log of local-1\n"
+    assert jobgen("logs", "local-1", "--batch", env=env).stdout == "batch log of local-1\n"
     assert jobgen("logs", "local-1", "--node", "1", env=env).stdout == "node 1 of local-1\n"
     assert jobgen("logs", "local-1", "--rank", "1", env=env).stdout == "rank 1 of local-1\n"
     # The newest job by its id, or by its run directory, as before.
-    assert jobgen("logs", "local-2", env=env).stdout == "batch log of local-2\n"
+    assert jobgen("logs", "local-2", "--batch", env=env).stdout == "batch log of local-2\n"
     assert jobgen("logs", str(two_jobs), "--node", "0", env=env).stdout == "node 0 of local-2\n"
+
+
+def test_logs_show_the_batch_log_then_node_0s_last_lines_where_the_loss_is(two_jobs: Path, env: dict) -> None:
+    """The batch log says where the job ran and how it ended; rank 0's step lines (the loss) and a
+    failure's traceback are in node 0's log, whose end follows it."""
+    node_0 = two_jobs / "logs" / "local-2-node0.out"
+    node_0.write_text("".join(f"[jobgen-train rank 0] INFO step {step}/30  loss {3 - step / 10:.4f}\n" for step in range(1, 31)))
+    shown = jobgen("logs", str(two_jobs), env=env).stdout.splitlines()
+    assert shown[:2] == ["batch log of local-2",
+                         f"==> node 0: {node_0} (its last 20 of 30 lines; jobgen logs --node 0 prints it whole) <=="]
+    assert shown[2] == "[jobgen-train rank 0] INFO step 11/30  loss 1.9000"
+    assert shown[-1] == "[jobgen-train rank 0] INFO step 30/30  loss 0.0000" and len(shown) == 22
+    # Before any node has written its log: the batch log alone.
+    node_0.unlink()
+    assert jobgen("logs", str(two_jobs), env=env).stdout == "batch log of local-2\n"
+    assert jobgen("logs", "local-1", env=env).stdout == (
+        f"batch log of local-1\n==> node 0: {two_jobs}/logs/local-1-node0.out (jobgen logs --node 0 prints it whole) <==\n"
+        "node 0 of local-1\n")
+    refused = jobgen("logs", str(two_jobs), "--batch", "--node", "1", env=env)
+    assert refused.returncode == 2 and refused.stderr == "jobgen: error: --batch is the batch log alone: give it without --node or --rank\n"
 
 
 def test_logs_follow_of_an_older_job_shows_its_log_and_ends(two_jobs: Path, env: dict) -> None:
@@ -220,6 +241,7 @@ def test_runs_lists_every_run_newest_first_and_a_removed_one_as_gone(tmp_path: P
     # Submitted again: the run is listed once, where its latest submission puts it.
     append(state / "jobgen" / "index.jsonl", {"job_id": "local-1", "scheduler": "local", "run_dir": str(done)})
 
+    env = {**env, "TZ": "Europe/Paris"}
     found = json.loads(jobgen("runs", "--json", env=env).stdout)
     assert [(r["name"], r["state"], r["step"], r["last_loss"], r["run_dir"]) for r in found] == [
         ("llama-lora", "completed", 6, 1.25, str(done)),
@@ -229,10 +251,85 @@ def test_runs_lists_every_run_newest_first_and_a_removed_one_as_gone(tmp_path: P
     table = jobgen("runs", env=env)
     assert table.returncode == 0 and table.stderr == ""
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["name", "state", "step", "loss", "run", "directory"]
-    assert lines[1].split() == ["llama-lora", "completed", "6/6", "1.2500", str(done)]
-    assert lines[3].split() == ["removed", "gone", "-", "-", str(removed)]
+    assert lines[0].split() == ["name", "state", "submitted", "step", "loss", "run", "directory"]
+    # When it was submitted, in this machine's time zone (the records keep UTC).
+    assert lines[1].split() == ["llama-lora", "completed", "2026-01-01", "01:00", "6/6", "1.2500", str(done)]
+    assert lines[3].split() == ["removed", "gone", "2026-01-01", "01:00", "-", "-", str(removed)]
     assert jobgen("list", env=env).stdout == table.stdout
+
+
+def test_runs_filters_by_name_and_state_and_limits(tmp_path: Path, state: Path, env: dict) -> None:
+    for name, outcome in [("llama-lora", "completed"), ("llama-full", "failed"), ("qwen-lora", "completed")]:
+        write_run(tmp_path / "runs" / name, state, [
+            {"id": f"local-{name}", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", outcome, 0, 6, 0)]},
+        ], name=name)
+    names = lambda *args: [r["name"] for r in json.loads(jobgen("runs", "--json", *args, env=env).stdout)]
+    assert names() == ["qwen-lora", "llama-full", "llama-lora"]
+    assert names("llama*") == ["llama-full", "llama-lora"]
+    assert names("--state", "completed") == ["qwen-lora", "llama-lora"]
+    assert names("*lora", "--state", "failed") == []
+    assert names("--state", "completed", "--limit", "1") == ["qwen-lora"]
+    assert names("-n", "2") == ["qwen-lora", "llama-full"]
+    nothing = jobgen("runs", "mistral*", env=env)
+    assert nothing.returncode == 0 and nothing.stdout == "no run matches (jobgen runs without a pattern or --state lists them all)\n"
+
+
+def test_runs_prune_drops_the_entries_of_removed_run_directories_and_nothing_else(tmp_path: Path, state: Path, env: dict) -> None:
+    kept = write_run(tmp_path / "runs" / "kept", state, [{"id": "local-1", "segments": []}], name="kept")
+    removed = write_run(tmp_path / "runs" / "removed", state, [{"id": "local-2"}, {"id": "local-3"}], name="removed")
+    shutil.rmtree(removed)
+    index = state / "jobgen" / "index.jsonl"
+    before = index.read_text()
+    # No terminal to ask on (CI): nothing is removed without --yes.
+    asked = jobgen("runs", "--prune", env=env)
+    assert asked.returncode == 2 and index.read_text() == before
+    assert asked.stderr == (f"gone: {removed}\njobgen: error: 1 run directory is gone: give --yes to remove their entries "
+                            "from the index without asking\n")
+    pruned = jobgen("runs", "--prune", "--yes", env=env)
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stderr.endswith(f"jobgen: removed 1 gone run directory (2 line(s)) from {index}\n")
+    assert [r["run_dir"] for r in json.loads(jobgen("runs", "--json", env=env).stdout)] == [str(kept)]
+    assert kept.is_dir() and (kept / "submissions.jsonl").is_file()  # a run directory is never touched
+    assert jobgen("runs", "--prune", env=env).stderr == f"jobgen: every run directory in {index} is there: nothing to prune\n"
+
+
+def test_a_run_is_found_by_the_name_jobgen_runs_shows(tmp_path: Path, state: Path, env: dict) -> None:
+    """`jobgen status NAME` from anywhere: the name resolves through the index of runs, so a run
+    submitted in another folder is found without its path; two runs of one name are listed."""
+    run_dir = write_run(tmp_path / "project" / "runs" / "tiny-lora", state, [
+        {"id": "local-1", "segments": [("2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "completed", 0, 6, 0)]},
+    ], name="tiny-lora")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    status = jobgen("status", "tiny-lora", cwd=elsewhere, env=env)
+    assert status.returncode == 0, status.stderr
+    assert f"run directory  {run_dir}" in status.stdout
+    assert jobgen("logs", "tiny-lora", "--batch", cwd=elsewhere, env=env).stdout == "batch log of local-1\n"
+    assert json.loads(jobgen("status", "--json", "tiny-lora", cwd=elsewhere, env=env).stdout)["run_dir"] == str(run_dir)
+
+    unknown = jobgen("status", "tiny-lorra", cwd=elsewhere, env=env)
+    assert unknown.returncode == 2 and unknown.stderr == (
+        "jobgen: error: 'tiny-lorra' is neither a run directory, a job id nor the name of a run submitted with "
+        "`jobgen submit` (`jobgen runs` lists them)\n")
+    other = write_run(tmp_path / "other" / "runs" / "tiny-lora", state, [{"id": "local-2", "segments": []}], name="tiny-lora")
+    both = jobgen("status", "tiny-lora", cwd=elsewhere, env=env)
+    assert both.returncode == 2 and both.stderr == (
+        f"jobgen: error: 'tiny-lora' names 2 runs: {other}; {run_dir}: give the run directory (or a job id) instead\n")
+    # A path still means the path: the run directory there, not a name.
+    assert f"run directory  {run_dir}" in jobgen("status", "runs/tiny-lora", cwd=tmp_path / "project", env=env).stdout
+
+    # A sweep's points are listed as NAME/POINT: NAME is the sweep, NAME/POINT one point.
+    sweep = tmp_path / "project" / "runs" / "lr-sweep"
+    points = [write_run(sweep / f"learning_rate={lr}", state, [{"id": f"local-lr{lr}", "segments": []}], name="lr-sweep")
+              for lr in ("1e-4", "2e-4")]
+    (sweep / "sweep.json").write_text(json.dumps({"scheduler": "local", "keys": ["training.learning_rate"], "points": [
+        {"index": i, "name": point.name, "values": {"training.learning_rate": float(point.name.split("=")[1])},
+         "run_dir": str(point), "job_id": f"local-lr{point.name.split('=')[1]}"} for i, point in enumerate(points)]}))
+    listed = [r["name"] for r in json.loads(jobgen("runs", "--json", "lr-sweep*", env=env).stdout)]
+    assert listed == ["lr-sweep/learning_rate=2e-4", "lr-sweep/learning_rate=1e-4"]
+    table = jobgen("status", "lr-sweep", cwd=elsewhere, env=env)
+    assert table.returncode == 0 and table.stdout.startswith(f"sweep  {sweep}  (2 points on local)"), table.stderr
+    assert f"run directory  {points[1]}" in jobgen("status", listed[0], cwd=elsewhere, env=env).stdout
 
 
 def test_runs_before_any_submission_says_where_they_will_be_recorded(env: dict, state: Path) -> None:

@@ -22,18 +22,53 @@ def _sweep_folder(target: str) -> Optional[str]:
 
 
 @click.command()
+@click.argument("pattern", required=False)
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              help="Only runs in this state (completed, failed, running, pending, preempted, gone, ...); repeat for several.")
+@click.option("-n", "--limit", type=click.IntRange(min=1), metavar="N", help="The newest N runs only.")
+@click.option("--prune", is_flag=True,
+              help="Remove the index's entries of run directories that are gone; run directories are never touched.")
+@click.option("--yes", is_flag=True, help="With --prune: do not ask (without a terminal, --prune needs it).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array, for scripts.")
-def runs(as_json: bool) -> None:
-    """Every run you submitted, newest first: name, state, step, last loss, run directory (also: jobgen list).
+def runs(pattern: Optional[str], states: tuple[str, ...], limit: Optional[int], prune: bool, yes: bool, as_json: bool) -> None:
+    """Every run you submitted, newest first: name, state, when submitted, step, last loss, run directory
+    (also: jobgen list). PATTERN, a glob, keeps the runs whose name matches, e.g. jobgen runs 'llama*' --state failed.
 
     \b
+    The name shown is one `jobgen status|logs|cancel|plot NAME` takes (the run directory where two share it).
     Each `jobgen submit` is recorded in $XDG_STATE_HOME/jobgen/index.jsonl (~/.local/state/jobgen);
-    a run directory removed since is shown as gone.
+    a run directory removed since is shown as gone, and `jobgen runs --prune` drops it from that record.
     """
     from jobgen.rundir.index import format_table, runs as find_runs
 
-    found = find_runs()
-    click.echo(json.dumps(found, indent=2) if as_json else format_table(found))
+    if prune:
+        if pattern or states or limit or as_json:
+            raise JobgenError("--prune takes no PATTERN, --state, --limit or --json: it removes every gone run's entry")
+        return _prune(yes)
+    found = find_runs(pattern, states, limit)
+    click.echo(json.dumps(found, indent=2) if as_json else format_table(found, filtered=bool(pattern or states)))
+
+
+def _prune(yes: bool) -> None:
+    from jobgen.rundir.index import gone_run_dirs, prune
+    from jobgen.rundir.run import index_path
+
+    gone = gone_run_dirs()
+    if not gone:
+        click.echo(f"jobgen: every run directory in {index_path()} is there: nothing to prune", err=True)
+        return
+    for run_dir in gone:
+        click.echo(f"gone: {run_dir}", err=True)
+    # A run directory on a file system that is not mounted here now looks gone too: hence the question.
+    if not yes:
+        if not sys.stdin.isatty():
+            raise JobgenError(f"{len(gone)} run director{'y is' if len(gone) == 1 else 'ies are'} gone: "
+                              "give --yes to remove their entries from the index without asking")
+        click.confirm(f"Remove these {len(gone)} entries from {index_path()} (the run directories are not touched)?",
+                      abort=True, err=True)
+    removed = prune(gone)
+    click.echo(f"jobgen: removed {len(gone)} gone run director{'y' if len(gone) == 1 else 'ies'} ({removed} line(s)) "
+               f"from {index_path()}", err=True)
 
 
 @click.command()
@@ -119,8 +154,10 @@ def _cancel_sweep(target: str) -> None:
 @click.option("--node", type=int, metavar="K", help="The log of node K (0 is the master) instead of the batch log.")
 @click.option("--rank", type=int, metavar="R", help="Everything rank R printed (the node logs show rank 0's only).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, with the training's progress, until the job ends.")
-def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) -> None:
-    """Print the job's batch log, or one node's or one rank's log.
+@click.option("--batch", "batch_only", is_flag=True, help="The batch log alone, without node 0's last lines.")
+def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool, batch_only: bool) -> None:
+    """Print the job's batch log followed by the last lines of node 0's (the training's progress:
+    step, loss, tokens/s; or why it failed), or one node's or one rank's log whole.
 
     \b
     All are in RUN_DIR/logs, written as the job runs on every scheduler and launcher:
@@ -133,6 +170,8 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
 
     if node is not None and rank is not None:
         raise JobgenError("give --node or --rank, not both")
+    if batch_only and (node is not None or rank is not None):
+        raise JobgenError("--batch is the batch log alone: give it without --node or --rank")
     if sweep := _sweep_folder(target):
         if follow:
             raise JobgenError(f"-f follows one run: give a point's folder, e.g. jobgen logs -f {sweep.rstrip('/')}/POINT_NAME")
@@ -143,9 +182,35 @@ def logs(target: str, node: Optional[int], rank: Optional[int], follow: bool) ->
         return follow_log(target, node, rank, sys.stdout)
     path = log_path(target, node, rank)
     try:
-        click.echo(path.read_text(errors="replace"), nl=False)
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
         raise JobgenError(f"no log yet at {path}: the job may still be pending") from None
+    click.echo(text, nl=False)
+    if node is None and rank is None and not batch_only:
+        _node_0_tail(target, path, text)
+
+
+NODE_0_LINES = 20  # enough for the last few logged steps, or a traceback's end
+
+
+def _node_0_tail(target: str, batch_log: Path, batch_text: str) -> None:
+    """After the batch log: the last lines of node 0's log of the same job, where the trainer's
+    rank 0 logs each step (its loss) and a failure's traceback; the batch log has neither."""
+    from jobgen.rundir.logs import log_path
+
+    try:
+        path = log_path(target, 0, None)
+        lines = path.read_text(errors="replace").splitlines()
+    except (JobgenError, FileNotFoundError):
+        return  # no node has started yet (pending, or the script stopped before its nodes)
+    if path.parent != batch_log.parent or not lines:
+        return
+    shown = lines[-NODE_0_LINES:]
+    whole = "" if len(shown) == len(lines) else f"its last {len(shown)} of {len(lines)} lines; "
+    if batch_text and not batch_text.endswith("\n"):
+        click.echo()
+    click.echo(f"==> node 0: {path} ({whole}jobgen logs --node 0 prints it whole) <==")
+    click.echo("\n".join(shown))
 
 
 def _sweep_logs(target: str, node: Optional[int], rank: Optional[int]) -> None:

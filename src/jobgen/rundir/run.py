@@ -16,6 +16,7 @@ maps job ids to run directories.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -88,7 +89,8 @@ class RunDir:
     def record_submission(self, job_id: str, scheduler: str, **extra: Any) -> dict[str, Any]:
         entry = {"job_id": job_id, "scheduler": scheduler, "submitted_at": _now(), **extra}
         _append_jsonl(self.path / runfiles.SUBMISSIONS, entry)
-        _append_jsonl(index_path(), {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path)})
+        _append_jsonl(index_path(), {"job_id": job_id, "scheduler": scheduler, "run_dir": str(self.path),
+                                     "submitted_at": entry["submitted_at"]})
         return entry
 
 
@@ -108,7 +110,59 @@ def find_target(target: str) -> tuple[RunDir, Optional[str]]:
     for entry in reversed(index_entries()):
         if entry.get("job_id") == target:
             return RunDir(Path(entry["run_dir"])), target
-    raise JobgenError(f"'{target}' is neither a run directory nor a job id submitted with `jobgen submit`")
+    found = one_run_named(target)
+    if found is None:
+        raise JobgenError(f"'{target}' is neither a run directory, a job id nor the name of a run submitted with "
+                          "`jobgen submit` (`jobgen runs` lists them)")
+    if (found / runfiles.SWEEP_RECORD).is_file():
+        raise JobgenError(f"'{target}' is a sweep ({found}): give one of its points, e.g. {found}/POINT_NAME")
+    return RunDir(found), None
+
+
+def indexed_run_dirs() -> list[Path]:
+    """Every run directory in the index, once, the most recently submitted first."""
+    newest: dict[str, None] = {}
+    for entry in index_entries():
+        if isinstance(entry, dict) and isinstance(entry.get("run_dir"), str):
+            newest.pop(entry["run_dir"], None)  # re-inserted: the dict keeps submission order
+            newest[entry["run_dir"]] = None
+    return [Path(run_dir) for run_dir in reversed(newest)]
+
+
+def runs_named(name: str) -> list[Path]:
+    """The run directories (or sweep folders) `name` names, as `jobgen runs` shows them: the job's
+    name or its folder's, and a sweep's point as SWEEP_NAME/POINT_NAME; newest first. Only run
+    directories still there count: a removed one can be neither read nor resumed."""
+    found: dict[Path, None] = {}
+    for path in indexed_run_dirs():
+        try:
+            if not (path / runfiles.SUBMISSIONS).is_file():
+                continue
+        except OSError:  # on a file system this machine cannot reach now
+            continue
+        job_name = RunDir(path).settings().get("name")
+        names = {path.name} | ({job_name} if isinstance(job_name, str) else set())
+        sweep = path.parent
+        if (sweep / runfiles.SWEEP_RECORD).is_file():  # a point: the sweep's name names the sweep
+            if name in {f"{each}/{path.name}" for each in names}:
+                found[path] = None
+            elif name in names - {path.name} or name == sweep.name:
+                found[sweep] = None
+        elif name in names:
+            found[path] = None
+    return list(found)
+
+
+def one_run_named(name: str) -> Optional[Path]:
+    """The one run directory (or sweep folder) `name` names; None when none does; JobgenError
+    listing them when several do."""
+    if not name or name.count("/") > 1:  # a name is NAME or SWEEP_NAME/POINT_NAME
+        return None
+    found = runs_named(name)
+    if len(found) > 1:
+        listed = "; ".join(str(path) for path in found)
+        raise JobgenError(f"'{name}' names {len(found)} runs: {listed}: give the run directory (or a job id) instead")
+    return found[0] if found else None
 
 
 def _now() -> str:
@@ -118,5 +172,6 @@ def _now() -> str:
 def _append_jsonl(path: Path, entry: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # `jobgen runs --prune` rewrites the index under this lock
         handle.write(json.dumps(entry) + "\n")
 

@@ -145,12 +145,18 @@ def is_sweep(target: str) -> bool:
 
 
 def find_sweep(target: str) -> Optional[str]:
-    """The sweep folder `target` names: the folder itself, or a job array's id (1234, whose tasks
-    1234_K the user's index records); None when it names no sweep."""
+    """The sweep folder `target` names: the folder itself, its name (`jobgen runs` shows its points
+    as NAME/POINT), or a job array's id (1234, whose tasks 1234_K the user's index records); None
+    when it names no sweep."""
     if is_sweep(target):
         return target
     if not target.isdigit():
-        return None
+        if Path(target).exists():
+            return None
+        from jobgen.rundir.run import one_run_named  # the sweep's name, as `jobgen runs` shows its points
+
+        named = one_run_named(target)
+        return str(named) if named is not None and is_sweep(str(named)) else None
     from jobgen.rundir.run import index_entries
 
     for entry in reversed(index_entries()):
