@@ -22,7 +22,8 @@ CONVERSATION = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assis
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "chat.jsonl").write_text(CONVERSATION * 8)
+    # Enough records for the recipes' global batches (up to 256): fewer is a warning of validate's.
+    (tmp_path / "data" / "chat.jsonl").write_text(CONVERSATION * 256)
     return tmp_path
 
 
@@ -104,7 +105,7 @@ def test_on_a_terminal_it_asks_for_what_no_flag_gives(folder: Path) -> None:
 def test_every_recipe_validates_and_starts_a_job_file(recipe: Path, folder: Path) -> None:
     data = yaml.safe_load(recipe.read_text())["training"]["data"]
     (folder / data).parent.mkdir(parents=True, exist_ok=True)
-    (folder / data).write_text(CONVERSATION * 8)
+    (folder / data).write_text(CONVERSATION * 256)  # a recipe's global batch or more: no warning of too little data
     checked = jobgen("validate", "-s", "slurm", "--site", "none", str(recipe), cwd=folder)
     assert checked.returncode == 0, checked.stderr
     # The hub cannot be reached from the tests (HF_ENDPOINT): only that is warned of.

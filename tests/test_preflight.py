@@ -187,6 +187,29 @@ def test_a_path_this_machine_cannot_see_is_a_warning_and_the_submit_goes_on(tmp_
     assert result.stdout.startswith("#!")
 
 
+def test_a_global_batch_bigger_than_the_data_is_a_warning_naming_both(tmp_path: Path) -> None:
+    """40 records at a global batch of 64: every step is a whole epoch, which validate's
+    `12 epoch(s) x 1 steps` alone does not make plain."""
+    write_conversations(tmp_path / "data.json", count=40)
+    config = job_file(tmp_path, per_device_batch_size=8, gradient_accumulation=8, epochs=12)
+    result = jobgen("validate", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("jobgen: warning: training.data has 40 records, fewer than one global batch of 64 (training.per_device_batch_size 8 "
+            "x world size 1 x training.gradient_accumulation 8): every optimizer step is a whole epoch (12 step(s) in all for "
+            "training.epochs 12); lower training.per_device_batch_size or training.gradient_accumulation, or add data"
+            ) in result.stderr.splitlines()
+    assert "12 epoch(s) x 1 steps = 12 steps" in result.stdout
+    submitted = jobgen("submit", "-s", "slurm", "--dry-run", str(config), cwd=tmp_path)
+    assert "training.data has 40 records, fewer than one global batch of 64" in submitted.stderr
+    given = jobgen("validate", str(config), "--set", "training.global_batch_size=48", "--set", "training.max_steps=30", cwd=tmp_path)
+    assert ("training.data has 40 records, fewer than one global batch of 48 (training.global_batch_size): every optimizer "
+            "step is a whole epoch (training.max_steps 30: as many passes over the data); lower training.global_batch_size, "
+            "or add data") in given.stderr
+    # One batch of data or more: no warning.
+    write_conversations(tmp_path / "data.json", count=64)
+    assert "global batch" not in jobgen("validate", str(config), cwd=tmp_path).stderr
+
+
 def test_relative_paths_are_the_working_directorys_as_on_the_nodes(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

@@ -73,6 +73,7 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
     lines: list[str] = []
     listed = more = 0
     tool_record = ""
+    records, counted = 0, True  # good records of every file, while each was read whole
     given_paths = data_paths(getattr(job.training, field.split(".")[1]))
     paths = [os.path.abspath(os.path.join(base, given)) for given in given_paths]
     for given, path in zip(given_paths, paths):
@@ -82,6 +83,7 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
         if error:
             lines.append(error + _hub_dataset_hint(given, field))
         if error or warning:
+            counted = False
             continue
         check = _check_records(job, field, path, max(MAX_PROBLEMS - listed, 0), warnings)
         if isinstance(check, str):
@@ -91,11 +93,43 @@ def _check_data(job: Job, base: str, warnings: list[str], field: str = "training
             listed += len(check.problems)
             more += check.more_problems
             tool_record = tool_record or check.tool_record
+            records += check.good
+            counted = counted and not _read_in_part(path)
+        else:
+            counted = False
     if more:
         lines.append(more_problems_line(paths[0] if len(paths) == 1 else field, listed, more))
+    if field == "training.data" and counted and not lines:
+        warnings += _fewer_records_than_a_batch(job, records)
     if tool_record and not lines:  # every record reads: can the job's layout write their tools?
         return _tools_in_chatml(job, base, tool_record)
     return "\n".join(lines) or None
+
+
+def _read_in_part(path: str) -> bool:
+    """Whether _check_records read only the first CHECK_WHOLE_BYTES of the file (its count is a floor)."""
+    return os.path.isfile(path) and os.path.getsize(path) > CHECK_WHOLE_BYTES and not path.endswith(".parquet")
+
+
+def _fewer_records_than_a_batch(job: Job, records: int) -> list[str]:
+    """A global batch bigger than the data: every epoch is one optimizer step (a 12-epoch run of
+    40 records at a batch of 64 trains 12 steps), which validate's numbers alone do not show.
+    Texts (data_format: text) are cut into pieces of max_length when tokenized: not counted here."""
+    t = job.training
+    batch = job.global_batch
+    if t.data_format == "text" or not records or records >= batch:
+        return []
+    if t.global_batch_size:
+        made_of, lower = "training.global_batch_size", "training.global_batch_size"
+    else:
+        made_of = (f"training.per_device_batch_size {t.per_device_batch_size} x world size {job.world_size} x "
+                   f"training.gradient_accumulation {t.gradient_accumulation}")
+        lower = "training.per_device_batch_size or training.gradient_accumulation"
+    held_out = f", fewer still after training.eval_fraction {t.eval_fraction:g}" if t.eval_fraction else ""
+    steps = (f"training.max_steps {t.max_steps}: as many passes over the data" if t.max_steps
+             else f"{t.epochs} step(s) in all for training.epochs {t.epochs}")
+    return [f"training.data has {records} records{held_out}, fewer than one global batch of {batch} ({made_of}): "
+            f"every optimizer step is a whole epoch ({steps}); lower {lower}, or add data"]
 
 
 def _hub_dataset_hint(given: str, field: str) -> str:
