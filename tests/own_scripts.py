@@ -95,6 +95,10 @@ for step in range(start + 1, 13):
             print(f"rank 0: SIGTERM: saved checkpoint-{step}", flush=True)
         dist.barrier()
         break
+# Every rank past its last collective before any tears gloo down: a rank that destroyed the group
+# while its peer still used it aborted in gloo's teardown ("terminate called without an active
+# exception"), which jobgen rightly calls a failure of the program.
+dist.barrier()
 dist.destroy_process_group()
 '''
 # What each script needs in launch besides command and checkpoints (out/checkpoint-*).

@@ -28,7 +28,7 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 def test_slurm_nodes_are_separate_hosts_whose_names_resolve_nowhere(slurm_on_hosts) -> None:
     ran = slurm_on_hosts.on_login(["srun", "-N2", "--ntasks-per-node=1", "sh", "-c", "echo $SLURMD_NODENAME $(hostname)"])
     assert ran.returncode == 0, ran.stderr
-    assert sorted(ran.stdout.splitlines()) == ["cn001 host1", "cn002 host2"]
+    assert sorted(ran.stdout.splitlines()) == ["cn001 host2", "cn002 host3"]
     for host in slurm_on_hosts.hosts:
         assert host.run(["getent", "hosts", "cn001"], capture_output=True).returncode != 0
 
@@ -59,8 +59,8 @@ def test_jobgen_slurm_ranks_on_separate_hosts_meet_at_the_first_nodes_address(sl
     records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
     summary = [(r["RANK"], r["hostname"], r["SLURMD_NODENAME"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
                for r in records]
-    first = slurm_on_hosts.hosts[0].address
-    assert summary == [(str(rank), f"host{rank // 2 + 1}", f"cn00{rank // 2 + 1}", first, REAL_INTERFACE, 10)
+    first = slurm_on_hosts.node("cn001").address
+    assert summary == [(str(rank), f"host{rank // 2 + 2}", f"cn00{rank // 2 + 1}", first, REAL_INTERFACE, 10)
                        for rank in range(4)]
 
 
@@ -140,9 +140,9 @@ def test_jobgen_slurm_a_hung_first_node_on_separate_hosts_is_replaced_by_the_spa
     assert (first["outcome"], second["outcome"], second["restart"], second["job_id"]) == ("hung", "completed", 1, job_id)
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
     assert f"jobgen: job {job_id} (restart 1) on cn002 cn003;" in log, log
-    # The restart's ranks met at host2's address, on its routed interface.
+    # The restart's ranks met at cn002's address (host3), on its routed interface.
     restarted = (run_dir / "logs" / f"{job_id}-node0.out").read_text()
-    assert f"sockets on {REAL_INTERFACE}, the interface toward {cluster.hosts[1].address}" in restarted, restarted[-3000:]
+    assert f"sockets on {REAL_INTERFACE}, the interface toward {cluster.node('cn002').address}" in restarted, restarted[-3000:]
     assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
     first_new_step = max(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
@@ -150,3 +150,103 @@ def test_jobgen_slurm_a_hung_first_node_on_separate_hosts_is_replaced_by_the_spa
     print(f"separate hosts, spare: node 0 hung at step ~{stop_at}: detected after {hang['at'] - stopped_at:.0f} s "
           f"(bound {hang['bound_seconds']:.0f} s, phase {hang['phase']}, by node {hang['detected_by_node']}), "
           f"first new step {first_new_step - stopped_at:.0f} s after the stop")
+
+
+# Real node failures (tests/cluster/slurm_hosts.py: the host's link down, then every process of it
+# killed, slurmd included). Slurm marks such a node DOWN after SlurmdTimeout (30 s here) and cuts it
+# out of a --no-kill job; the job must go on without it and end as an uninterrupted run.
+
+def restart_figures(run_dir: Path, first: dict, second: dict, failed_at: float) -> str:
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > failed_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= failed_at)
+    return (f"first new step {first_new_step - failed_at:.0f} s after the failure; reached step {reached}, resumed from "
+            f"{second['first_step']}: {reached - second['first_step']} step(s) trained again")
+
+
+@pytest.fixture
+def powered_off(slurm_on_hosts):
+    """Nodes a test powers off: powered on again (and idle in Slurm) after it, for the next test."""
+    nodes: list[str] = []
+    yield nodes
+    for name in nodes:
+        slurm_on_hosts.power_on(name)
+
+
+def test_jobgen_slurm_a_powered_off_worker_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    job_id, run_dir = submit(cluster, "power-off-worker", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
+    powered_off.append("cn002")
+    failed_at = cluster.power_off("cn002")  # node 1; cn001 runs the batch script, cn003 is the spare
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
+    assert f"jobgen: job {job_id} (restart 1) on cn001 cn003;" in log, log
+    assert "the scheduler says they are gone" in log, log
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"power-off of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}")
+
+
+def released_when_requeued(cluster, job_id: str, timeout: float = 300) -> None:
+    """Slurm holds a requeued job back for a while (its BeginTime); the test lets it start now."""
+    wait_for(lambda: job_state(cluster, job_id).get("JobState") == "PENDING" and job_state(cluster, job_id).get("Restarts") == "1",
+             "the requeue", timeout)
+    time.sleep(3)  # Slurm's clean-up of the last allocation (see tests/test_slurm_requeue.py)
+    assert cluster.on_login(["scontrol", "update", f"JobId={job_id}", "StartTime=now"]).returncode == 0
+
+
+def test_jobgen_slurm_a_powered_off_batch_host_is_requeued_by_a_surviving_node_and_the_run_ends_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # Under --no-kill Slurm cuts the DOWN batch host out of the job and keeps the job RUNNING on the
+    # others, its batch script gone: a surviving node must requeue it.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    job_id, run_dir = submit(cluster, "power-off-batch-host", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    batch_host = job_state(cluster, job_id)["BatchHost"]
+    powered_off.append(batch_host)
+    failed_at = cluster.power_off(batch_host)
+    released_when_requeued(cluster, job_id)
+    requeued_at = time.time()
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [batch_host], "completed"), log
+    assert f"the batch host {batch_host} is down (Slurm says so) and its batch script with it" in log, log
+    assert batch_host not in job_state(cluster, job_id)["NodeList"]
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"power-off of the batch host, spare in the allocation: requeued {requeued_at - failed_at:.0f} s after the "
+          f"failure (then held by Slurm's BeginTime until the test released it); "
+          f"{restart_figures(run_dir, first, second, failed_at)} (the wait for the release included)")
+
+
+def test_jobgen_slurm_a_powered_off_node_of_a_job_without_spares_is_requeued_by_slurm_and_the_run_ends_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # Without spare nodes the job is not --no-kill: Slurm kills it at the node's failure and, the job
+    # being --requeue, queues it again (NODE_FAIL, then PENDING) on nodes that are up.
+    cluster = slurm_on_hosts
+    job_id, run_dir = submit(cluster, "power-off-no-spare", training(cluster), env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    nodes = job_state(cluster, job_id)["NodeList"]
+    worker = "cn002" if job_state(cluster, job_id)["BatchHost"] != "cn002" else "cn001"
+    powered_off.append(worker)
+    failed_at = cluster.power_off(worker)
+    released_when_requeued(cluster, job_id)
+    requeued_at = time.time()
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    assert worker not in job_state(cluster, job_id)["NodeList"], nodes
+    events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1], events
+    assert [e["outcome"] for e in events if e["event"] == "end"] == ["completed"], events
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"power-off of a worker, no spare: Slurm requeued the job {requeued_at - failed_at:.0f} s after the failure")

@@ -67,6 +67,43 @@ class Host:
         return subprocess.Popen(self.command(argv), **kwargs)
 
 
+def link_down(host: Host) -> None:
+    """The host's cluster interface down: its peers get no reset, only silence, as from a host
+    that lost power or its cable."""
+    _ip("-n", host.netns, "link", "set", REAL_INTERFACE, "down")
+
+
+def link_up(host: Host) -> None:
+    _ip("-n", host.netns, "link", "set", REAL_INTERFACE, "up")
+
+
+def kill_every_process_of(host: Host) -> list[int]:
+    """SIGKILL every process of the host's network namespace (its daemons, sshd, mount, the job's
+    ranks, the process keeping its namespaces), as a power-off ends them: none runs a handler.
+    Looked for again until none is left (a dying launcher may start one more)."""
+    killed: list[int] = []
+    for _ in range(20):
+        pids = [int(pid) for pid in subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True,
+                                                   timeout=30).stdout.split()]
+        if not pids:
+            return killed
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"{host.name}: processes still running after 20 rounds of SIGKILL")
+
+
+def power_off(host: Host) -> list[int]:
+    """A real node failure: the link first (so that no peer sees a connection reset), then every
+    process of the host killed. What the host wrote to the shared file system stays."""
+    link_down(host)
+    return kill_every_process_of(host)
+
+
 @dataclass(frozen=True)
 class SeparateHosts:
     hosts: tuple[Host, ...]

@@ -3,9 +3,11 @@
 The Slurm test cluster of slurm-cluster.sh runs ten slurmd on one kernel, at 127.0.0.1, with node
 names that /etc/hosts resolves. Here each node is a separate host of tests/cluster/hosts.py (its
 own network namespace, address, hostname, a Debian /etc/hosts and a first interface that routes
-nowhere) and runs its own slurmd; host1 also runs slurmctld and is the login node. The NodeNames
-(cn001..cn003) resolve nowhere, as on clusters whose node names are only Slurm's: NodeAddr is
-the way to reach a node. The shared folder (run directories, the model, the data) is a folder of
+nowhere) and runs its own slurmd: cn001..cn004 on host2..host5. host1 runs slurmctld, is the
+login node and serves the shared folder, and runs no slurmd, so that any compute node can fail as
+a real one does (`SlurmOnHosts.power_off`: its link down, then every process of it killed) while
+the controller lives on. The NodeNames resolve nowhere, as on clusters whose node names are only
+Slurm's: NodeAddr is the way to reach a node. SlurmdTimeout is 30 s: a silent node is DOWN then. The shared folder (run directories, the model, the data) is a folder of
 host1 that every host mounts on its own with sshfs, at one path: each mount caches attributes
 and missing names for a few seconds and its locks hold within that mount only, as NFS with local
 locks. A host's processes all share one mount namespace, kept by a process that sleeps in it.
@@ -32,9 +34,9 @@ import pytest
 from tests.cluster import hosts as separate
 from tests.helpers import cannot_run
 
-NODE_NAMES = ("cn001", "cn002", "cn003")  # Slurm's names; no host resolves them
+NODE_NAMES = ("cn001", "cn002", "cn003", "cn004")  # Slurm's names, on host2..host5; no host resolves them
 CACHE_SECONDS = separate.CACHE_SECONDS
-LOGIN = 0  # host1: slurmctld, and where users submit
+LOGIN = 0  # host1: slurmctld, the file server, and where users submit
 
 
 @dataclass(frozen=True)
@@ -61,22 +63,72 @@ class SlurmHost:
         return subprocess.run(self.command(argv, cwd), **kwargs)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SlurmOnHosts:
-    hosts: tuple[SlurmHost, ...]
+    hosts: list[SlurmHost]  # host1 (the controller and login node), then one host per node
     node_names: tuple[str, ...]
     shared: Path  # the path every host mounts the shared folder at
     served: Path  # the same folder on this machine's disk (what the file server serves)
     env: dict[str, str]  # SLURM_CONF and PATH for commands run on a host
+    state: Path
+    ssh_options: list[str]
+    servers: list[subprocess.Popen]  # each host's sshd
 
     @property
     def login(self) -> SlurmHost:
         return self.hosts[LOGIN]
 
+    def node(self, name: str) -> SlurmHost:
+        """The host that runs Slurm node `name`."""
+        return self.hosts[1 + self.node_names.index(name)]
+
     def on_login(self, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
         """`argv` on the login node with the cluster's environment, in the shared folder."""
         return self.login.run(argv, env={**os.environ, **self.env, **kwargs.pop("env", {})}, cwd=self.shared, capture_output=True,
                               text=True, timeout=timeout, **kwargs)
+
+    def node_state(self, name: str) -> str:
+        """Slurm's state of node `name` as scontrol says it (IDLE, ALLOCATED, DOWN+NOT_RESPONDING...)."""
+        shown = self.on_login(["scontrol", "-o", "show", "node", name]).stdout
+        return next((word.split("=", 1)[1] for word in shown.split() if word.startswith("State=")), "")
+
+    # Faults, as real nodes meet them. Each node's processes are those of its host's namespace.
+    def power_off(self, name: str) -> float:
+        """Node `name` fails as a machine does: link down, then every process of its host killed
+        (slurmd, the job's ranks, sshd, the sshfs mount). Returns the time of the failure."""
+        at = time.time()
+        separate.power_off(self.node(name).host)
+        return at
+
+    def partition(self, name: str) -> float:
+        """Node `name` cut off the network, its processes alive (a switch port or cable lost)."""
+        at = time.time()
+        separate.link_down(self.node(name).host)
+        return at
+
+    def kill_slurmd(self, name: str) -> float:
+        """Node `name`'s slurmd dies alone; its ranks, network and mount live on."""
+        at = time.time()
+        pids = subprocess.run(["ip", "netns", "pids", self.node(name).host.netns], capture_output=True, text=True).stdout.split()
+        daemons = [int(pid) for pid in pids if Path(f"/proc/{pid}/comm").exists()
+                   and Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd"]
+        assert daemons, f"no slurmd on {name}"
+        for pid in daemons:
+            os.kill(pid, 9)
+        return at
+
+    def power_on(self, name: str) -> None:
+        """Node `name` back as after a reboot: what is left of it killed, its link up, sshd, the
+        mount and slurmd started afresh; returns once Slurm has it idle again (ReturnToService=2)."""
+        index = 1 + self.node_names.index(name)
+        host = self.hosts[index].host
+        separate.kill_every_process_of(host)
+        separate.link_up(host)
+        self.servers[index] = separate.start_sshd(host, self.state)
+        separate.wait_for_ssh((self.login.host, host), self.ssh_options, self.servers, self.state)
+        self.hosts[index] = SlurmHost(host, separate.keep(host, self.state, self.shared, self.served, self.ssh_options))
+        _start(self.hosts[index], ["slurmd", "-N", name], {**os.environ, "SLURM_CONF": self.env["SLURM_CONF"]}, self.state)
+        _wait_for_nodes(self, self.state, (name,))
 
 
 def _munge_answers() -> bool:
@@ -104,7 +156,7 @@ def slurm_conf(state: Path, hosts: tuple[separate.Host, ...]) -> str:
     machine = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     layout = " ".join(word for word in machine.split() if not word.startswith("NodeName="))
     nodes = "".join(f"NodeName={name} NodeHostname={host.name} NodeAddr={host.address} {layout}\n"
-                    for name, host in zip(NODE_NAMES, hosts))
+                    for name, host in zip(NODE_NAMES, hosts[1:]))
     return f"""# Written by tests/cluster/slurm_hosts.py: nodes on separate hosts.
 ClusterName=jobgen-hosts
 SlurmctldHost={hosts[LOGIN].name}({hosts[LOGIN].address})
@@ -153,12 +205,12 @@ def _start(node: SlurmHost, argv: list[str], env: dict[str, str], state: Path) -
                     pytrace=False)
 
 
-def _wait_for_nodes(cluster: SlurmOnHosts, state: Path) -> None:
+def _wait_for_nodes(cluster: SlurmOnHosts, state: Path, names: tuple[str, ...] = NODE_NAMES) -> None:
     deadline = time.monotonic() + 60
     while True:
         listed = cluster.on_login(["sinfo", "-N", "-h", "-o", "%N %t"], timeout=30)
         states = dict(line.split() for line in listed.stdout.splitlines() if len(line.split()) == 2)
-        if listed.returncode == 0 and all(states.get(name) == "idle" for name in NODE_NAMES):
+        if listed.returncode == 0 and all(states.get(name) == "idle" for name in names):
             return
         if time.monotonic() > deadline:
             pytest.fail(f"the Slurm nodes on separate hosts are not idle ({listed.stdout}{listed.stderr}):\n{_logs(state)}",
@@ -168,7 +220,7 @@ def _wait_for_nodes(cluster: SlurmOnHosts, state: Path) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_on_hosts():
-    """Slurm (slurmctld on host1, a slurmd on each of host1..host3) over separate hosts, with a
+    """Slurm (slurmctld on host1, a slurmd on each of host2..host5) over separate hosts, with a
     shared folder on sshfs; all stopped and deleted at the end of the session. Partitions as the
     Slurm test cluster's: `debug` (default; preempted and requeued after GraceTime=30 s) and
     `high`, whose exclusive jobs preempt it."""
@@ -189,21 +241,22 @@ def slurm_on_hosts():
     separate.delete_leftovers(prefix)
     servers: list[subprocess.Popen] = []
     keepers: list[int] = []
+    cluster = None
     try:
-        hosts = separate.make_hosts(state, len(NODE_NAMES), prefix)
+        hosts = separate.make_hosts(state, 1 + len(NODE_NAMES), prefix)
         options = separate.ssh_setup(state, hosts)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         servers = [separate.start_sshd(host, state) for host in hosts]
         separate.wait_for_ssh(hosts, options, servers, state)
         conf = state / "slurm.conf"
         conf.write_text(slurm_conf(state, hosts))
-        nodes = tuple(SlurmHost(host, separate.keep(host, state, shared, served, options)) for host in hosts)
+        nodes = [SlurmHost(host, separate.keep(host, state, shared, served, options)) for host in hosts]
         keepers = [node.keeper for node in nodes]
         env = {"SLURM_CONF": str(conf), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-        cluster = SlurmOnHosts(nodes, NODE_NAMES, shared, served, env)
+        cluster = SlurmOnHosts(nodes, NODE_NAMES, shared, served, env, state, options, servers)
         daemon_env = {**os.environ, "SLURM_CONF": str(conf)}
         _start(nodes[LOGIN], ["slurmctld", "-c"], daemon_env, state)
-        for name, node in zip(NODE_NAMES, nodes):
+        for name, node in zip(NODE_NAMES, nodes[1:]):
             _start(node, ["slurmd", "-N", name], daemon_env, state)
         _wait_for_nodes(cluster, state)
         yield cluster
@@ -212,7 +265,7 @@ def slurm_on_hosts():
             server.terminate()
         # Deleting a host's namespace kills what runs in it: slurmd, slurmctld, jobs, sshfs.
         separate.delete_leftovers_of(prefix)
-        for keeper in keepers:
+        for keeper in keepers + [node.keeper for node in (cluster.hosts if cluster else [])]:
             try:
                 os.kill(keeper, 9)
             except ProcessLookupError:

@@ -14,6 +14,9 @@ Inside a jobgen job it also runs the node's hang supervisor (jobgen.train.heartb
 job's steps stop advancing past the bound, it dumps the ranks' stacks, ends them and this exits
 with EXIT_HUNG (RUN_DIR/hang.json says which ranks and nodes stopped first).
 
+On Slurm, a job that survives a node's failure (--no-kill) may lose its batch host: the first
+surviving node then requeues it (jobgen.train.lost_batch_host).
+
 For the job's own program (launch.command; node.sh then sets JOBGEN_STOP_SIGNAL), which does not
 read the batch script's stop file, this sends that signal to the ranks when the file appears (at
 the time limit's warning, a cancel, a preemption on PBS): `StopFileForwarder`; and it exports
@@ -289,6 +292,10 @@ def main() -> None:
         raise
     finally:
         record_node_end(status)
+        # Before this node's task ends: a batch host gone with its script leaves nobody else to act.
+        from jobgen.train.lost_batch_host import requeue_if_the_batch_host_is_gone
+
+        requeue_if_the_batch_host_is_gone(status)
 
 
 def run() -> None:
