@@ -31,7 +31,23 @@ def test_on_a_terminal_the_progress_is_one_line_redrawn_in_place(stopped_and_res
     assert not any("INFO step" in line for line in shown)  # the trainer's step lines do not scroll past
     assert any("asking every rank to checkpoint" in line for line in shown), shown  # Ctrl-C's effect, told
     # jobgen's own lines (here: the stop it was sent) are printed above the progress line too.
-    assert any(line == "jobgen: SIGINT: stopping the job; waiting for its checkpoint" for line in shown), shown
+    assert any(line == "jobgen: interrupted (SIGINT): stopping the job; waiting for its checkpoint" for line in shown), shown
+
+
+def test_ctrl_c_is_told_as_interrupted_sigint_from_the_first_line_to_the_outcome(stopped_and_resumed_run) -> None:
+    """jobgen's line first, then the job's answer and its end, all in one word; `jobgen status` records it."""
+    import json
+
+    from tests.helpers import jobgen
+
+    said = [line for line in screen(stopped_and_resumed_run.terminal) if line.startswith("jobgen: ")]
+    told = said.index("jobgen: interrupted (SIGINT): stopping the job; waiting for its checkpoint")
+    asked = said.index("jobgen: interrupted (SIGINT): asking every rank to checkpoint at the next step boundary and stop")
+    assert told < asked, said
+    assert any(line.startswith("jobgen: stopped (interrupted) with a complete checkpoint at step ") for line in said), said
+    assert not any("terminated" in line for line in said), said
+    segments = json.loads(jobgen("status", "--json", str(stopped_and_resumed_run.run_dir)).stdout)["segments"]
+    assert [s["outcome"] for s in segments] == ["interrupted", "completed"]
 
 
 def test_in_a_pipe_submit_and_logs_follow_print_plain_progress_lines(stopped_and_resumed_run) -> None:

@@ -135,15 +135,19 @@ class _LinesAbove(io.TextIOBase):
 
 class StopRequests:
     """While `jobgen submit` runs a job in its foreground: however jobgen is asked to end (Ctrl-C,
-    `kill -INT` or `-TERM` of it alone, its terminal closing), the job is asked to stop as Ctrl-C
-    asks it (SIGINT to its script: every rank checkpoints at the next step boundary) and jobgen
-    waits for it, so a job never outlives the jobgen that shows it. The script runs in a session
-    of its own (jobgen.schedulers.local), so this is the one way a stop reaches it: once.
+    `kill -INT` or `-TERM` of it alone, its terminal closing), the job is asked to stop (its
+    script traps the signal: every rank checkpoints at the next step boundary) and jobgen waits
+    for it, so a job never outlives the jobgen that shows it. The script runs in a session of its
+    own (jobgen.schedulers.local), so this is the one way a stop reaches it: once. It gets the
+    signal jobgen got, so that both say the same word (interrupted for SIGINT, terminated for
+    SIGTERM); SIGHUP, which the script does not trap, as SIGTERM.
 
     The handlers only record and forward; what to say is printed by the watching loop, for a
     handler that wrote to the screen could run in the middle of another write to it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hangup"}  # as job.sh.j2 says them
+    FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
     def __init__(self) -> None:
         self.process: Optional["subprocess.Popen[bytes]"] = None
@@ -171,9 +175,9 @@ class StopRequests:
         new, self.told = self.received[first:], len(self.received)
         lines = []
         for i, number in enumerate(new, start=first):
-            name = signal.Signals(number).name
-            lines.append(f"jobgen: {name}: stopping the job; waiting for its checkpoint" if i == 0
-                         else f"jobgen: {name}: still waiting for the job to checkpoint and stop")
+            said = f"{self.WORDS.get(number, 'stopped')} ({signal.Signals(number).name})"
+            lines.append(f"jobgen: {said}: stopping the job; waiting for its checkpoint" if i == 0
+                         else f"jobgen: {said}: still waiting for the job to checkpoint and stop")
         return lines
 
     def _received(self, number: int, frame: object) -> None:
@@ -184,7 +188,7 @@ class StopRequests:
         if self.received and self.process is not None and not self.forwarded:
             self.forwarded = True
             try:
-                os.kill(self.process.pid, signal.SIGINT)
+                os.kill(self.process.pid, self.FORWARDED.get(self.received[0], signal.SIGINT))
             except ProcessLookupError:
                 pass  # it has ended already
 
@@ -207,6 +211,8 @@ def watch_process(process: "subprocess.Popen[bytes]", run_path: Path, out: TextI
         while open_pipe:
             display.lines(stops.news())
             for _ in selector.select(POLL_SECONDS):
+                # A stop jobgen was sent, told before the job's answer to it (read now).
+                display.lines(stops.news())
                 data = process.stdout.read1(65536)  # type: ignore[union-attr]
                 if not data:
                     open_pipe = False
