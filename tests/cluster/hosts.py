@@ -24,9 +24,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -36,7 +38,7 @@ from typing import ClassVar, Iterator
 
 import pytest
 
-from tests.helpers import cannot_run
+from tests.helpers import REPO, cannot_run
 
 NETWORK = "10.231.0"  # /24, inside the fixture's namespaces only
 DECOY_NETWORK = "10.232.0"  # the interface that routes nowhere
@@ -232,7 +234,16 @@ def keep(host: Host, state: Path, mount: Path, served: Path, ssh_options: list[s
         f"ssh_command=ssh {' '.join(ssh_options)} -o BatchMode=yes", "dir_cache=yes", f"dcache_timeout={CACHE_SECONDS}",
         f"attr_timeout={CACHE_SECONDS}", f"entry_timeout={CACHE_SECONDS}", f"negative_timeout={CACHE_SECONDS}",
     ] + (["allow_other"] if allow_other else [])
-    bind = "".join(f'mount --bind "{folder}" "{where}" && ' for folder, where in binds)
+    # What a bind would hide that the host runs from (a checkout under /tmp, over which a complex
+    # mounts each host's own /tmp): set aside before the binds, moved back on top after them.
+    hidden = hidden_by(binds)
+    stash = [state / f"{host.name}.kept-{i}" for i in range(len(hidden))]
+    for folder in stash:
+        folder.mkdir(exist_ok=True)
+    bind = "".join(f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(aside))} && " for path, aside in zip(hidden, stash))
+    bind += "".join(f"mount --bind {shlex.quote(str(folder))} {shlex.quote(str(where))} && " for folder, where in binds)
+    bind += "".join(f"mkdir -p {shlex.quote(str(path))} && mount --move {shlex.quote(str(aside))} {shlex.quote(str(path))} && "
+                    for path, aside in zip(hidden, stash))
     script = bind + 'sshfs -o "$0" "host1:$1" "$2" && touch "$3" && exec sleep infinity'
     # nsenter, not `ip netns exec`: that mounts a /sys of its own, without the cgroup folders
     # slurmd needs.
@@ -256,6 +267,14 @@ def keep(host: Host, state: Path, mount: Path, served: Path, ssh_options: list[s
             if keeper.poll() is not None or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def hidden_by(binds: tuple[tuple[Path, str], ...]) -> list[Path]:
+    """The folders the hosts' processes run from (this checkout: its src and .venv; this
+    interpreter's environment) that one of `binds` would mount over, outermost only."""
+    needed = sorted({REPO, Path(sys.prefix).resolve()})
+    covered = [path for path in needed if any(path.is_relative_to(where) for _, where in binds)]
+    return [path for path in covered if not any(path != other and path.is_relative_to(other) for other in covered)]
 
 
 def _descendant_named(pid: int, name: str) -> int:
