@@ -107,17 +107,42 @@ class Resources(_Strict):
     )
     gpus_per_node: int = Field(0, ge=0, le=64, description="0 runs on CPUs with the gloo backend")
     cpus_per_node: Optional[int] = Field(
-        None, ge=1, le=4096, description="defaults to one per process (launch.procs_per_node); more for data loader workers"
+        None, ge=1, le=4096, examples=[64],
+        description="defaults to one per process (launch.procs_per_node); more for data loader workers",
     )
-    memory_per_node: Optional[str] = Field(None, description="e.g. 480G")
-    time_limit: str = Field("04:00:00", description="[D-]HH:MM:SS")
-    partition: Optional[str] = Field(None, pattern=SCHEDULER_NAME, description="Slurm partition or PBS queue")
-    account: Optional[str] = Field(None, pattern=SCHEDULER_NAME)
-    qos: Optional[str] = Field(None, pattern=SCHEDULER_NAME)
-    constraint: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.&|\[\]()*:-]+$")
-    exclusive: bool = False
+    memory_per_node: Optional[str] = Field(
+        None, examples=["480G"],
+        description="memory asked for on each node, e.g. 480G, 512M or 1T (a bare number is megabytes, as in Slurm): "
+        "Slurm --mem; PBS Pro mem in each node's chunk; Torque -l mem, times the nodes. Unset: the scheduler's default",
+    )
+    time_limit: str = Field(
+        "04:00:00", examples=["12:00:00"],
+        description="[D-]HH:MM:SS, in quotes: the wall time of each segment; requeue.signal warns requeue.warning_seconds "
+        "before it, and the job checkpoints and requeues itself to go on",
+    )
+    partition: Optional[str] = Field(
+        None, pattern=SCHEDULER_NAME, examples=["gpu"],
+        description="Slurm partition (--partition) or PBS Pro / Torque queue (-q); unset: the scheduler's default",
+    )
+    account: Optional[str] = Field(
+        None, pattern=SCHEDULER_NAME, examples=["ml"],
+        description="the account the job is charged to: Slurm --account, PBS Pro and Torque -A",
+    )
+    qos: Optional[str] = Field(
+        None, pattern=SCHEDULER_NAME, examples=["high"],
+        description="Slurm's quality of service (--qos); PBS Pro and Torque have none, and warn that it is not used",
+    )
+    constraint: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9_.&|\[\]()*:-]+$", examples=["a100&ib"],
+        description="Slurm node features the nodes must have (--constraint, e.g. a100 or 'a100&ib'); PBS Pro and Torque "
+        "warn that it is not used: resources.chunk_resources says the same there",
+    )
+    exclusive: bool = Field(
+        False,
+        description="whole nodes that no other job shares: Slurm --exclusive, PBS Pro -l place=scatter:excl, Torque -n",
+    )
     chunk_resources: dict[str, bool | int | str] = Field(
-        default_factory=dict,
+        default_factory=dict, examples=[{"ompthreads": 8, "bigmem": True}],
         description=(
             "site resources every node's chunk needs, e.g. {ompthreads: 8, bigmem: true}: PBS Pro adds them "
             "to the one '-l select' line (NAME=VALUE), Torque adds each NAME: true to 'nodes=' as a node "
@@ -198,13 +223,20 @@ class Launch(_Strict):
     other_names: ClassVar[dict[str, str]] = {"nproc_per_node": "procs_per_node", "nnodes": "resources.nodes"}
 
     procs_per_node: Optional[int] = Field(
-        None, ge=1, le=64, description="defaults to gpus_per_node; required when gpus_per_node is 0"
+        None, ge=1, le=64, examples=[2],
+        description="training processes (ranks) per node: defaults to gpus_per_node, one per GPU; required when "
+        "gpus_per_node is 0",
     )
     master_port: int | Literal["auto"] = Field(
         "auto", description="'auto' is a hash of the whole job id, from 20000 up to the master node's ephemeral "
         "ports (ip_local_port_range), so two jobs on one node seldom collide"
     )
-    rendezvous: Literal["static", "c10d"] = "static"
+    rendezvous: Literal["static", "c10d"] = Field(
+        "static",
+        description="how the nodes' torchrun agents meet at MASTER_ADDR:MASTER_PORT (the job's first node): static "
+        "gives each node its rank by NODE_RANK (--master-addr); c10d is torchrun's c10d rendezvous (--rdzv-backend), "
+        "which assigns ranks itself, so rank 0 may be on another node",
+    )
     network: Literal["auto", "infiniband", "roce", "ethernet"] = Field(
         "auto", description="the NCCL variables of this fabric (docs/nccl.md); auto leaves NCCL to detect it"
     )
@@ -212,11 +244,15 @@ class Launch(_Strict):
         True, description="check every node (GPUs, package versions, data, bandwidth) before the model loads"
     )
     socket_ifname: Optional[str] = Field(
-        None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$",
+        None, pattern=r"^[\^=]?[A-Za-z0-9_.,-]+$", examples=["ib0"],
         description="the interface of NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); unset, "
         "each node takes the one that routes to MASTER_ADDR",
     )
-    nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = None
+    nccl_debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = Field(
+        None, examples=["INFO"],
+        description="NCCL_DEBUG on every node: how much NCCL logs (INFO names the transport, interfaces and topology it "
+        "chose); unset, it is not exported",
+    )
     collective_timeout_minutes: int = Field(
         30, ge=1, le=24 * 60,
         description="how long a jobgen-train rank waits in one collective (a step's all-reduce, a barrier, the "
@@ -228,7 +264,7 @@ class Launch(_Strict):
         "jobgen-train", description="jobgen-probe checks ranks and rendezvous in seconds, without a model"
     )
     command: Optional[list[str]] = Field(
-        None,
+        None, examples=[["python", "finetune.py", "--deepspeed", "ds_config_zero2.json"]],
         description="the job's own program in place of jobgen-train, started by torchrun once per process on every "
         "node (same rendezvous, environment, containers, logs), e.g. [python, finetune.py, --deepspeed, ds.json]: "
         "a list of words, as torchrun starts it (no shell between them, each written shell-quoted), so a YAML flow "
@@ -241,7 +277,7 @@ class Launch(_Strict):
         "then requeue.warning_seconds to save and exit 0 (a preemption on Slurm also sends SIGTERM to every process)",
     )
     resume_argument: Optional[str] = Field(
-        None,
+        None, examples=["--resume_from_checkpoint {checkpoint}"],
         description="launch.command only: words added to the command when a complete checkpoint exists, "
         "{checkpoint} standing for its path, e.g. '--resume_from_checkpoint {checkpoint}'; none at the first start",
     )
@@ -256,7 +292,7 @@ class Launch(_Strict):
         "trainer_state.json last); a match without it is never passed. null: every match is complete",
     )
     report_to: list[Literal["wandb", "mlflow"]] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["wandb", "mlflow"]],
         description="launch.command only: the trackers the program reports to; jobgen keeps one run of each for the "
         "jobgen run and exports WANDB_RUN_ID, WANDB_RESUME=allow, WANDB_DIR, WANDB_MODE (offline unless set), "
         "MLFLOW_TRACKING_URI, MLFLOW_RUN_ID, so that every requeue continues it. README: 'Experiment trackers'",
@@ -265,7 +301,7 @@ class Launch(_Strict):
         None, description="per-node launcher; the scheduler's default when unset"
     )
     ssh_options: list[str] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["-p", "2222"]],
         description="options for the ssh launcher, one argument each (passed shell-quoted, so no ~ or $VAR), "
         "e.g. ['-p', '2222', '-i', '/home/me/.ssh/id_cluster'] or ['-F', '/etc/jobgen/ssh_config']; "
         "options that keep ssh from running the node script or tying it to the connection "
@@ -378,18 +414,26 @@ def check_ssh_options(words: list[str]) -> None:
 class Environment(_Strict):
     """What every node runs before the trainer starts."""
 
-    modules: list[str] = Field(default_factory=list, description="`module load` names")
+    modules: list[str] = Field(
+        default_factory=list, examples=[["cuda/12.4"]],
+        description="`module load` names, loaded on every node (Lmod or Environment Modules); one that does not load "
+        "stops the node with the module system's message",
+    )
     setup: list[str] = Field(
-        default_factory=list, description="shell lines run as written, e.g. 'source ~/venvs/ft/bin/activate'"
+        default_factory=list, examples=[['source "$HOME/venvs/finetune/bin/activate"']],
+        description="shell lines run as written, e.g. 'source ~/venvs/ft/bin/activate'",
     )
     variables: dict[str, ShellText] = Field(
-        default_factory=dict,
+        default_factory=dict, examples=[{"HF_HOME": "/shared/hf", "NCCL_IB_TIMEOUT": 22}],
         description="exported on every node; a number as written, true/false as 1/0 (quote 'true' for the word)",
     )
     secrets: list[str] = Field(
-        default_factory=list, description="names of variables passed from the submitting shell; values never written"
+        default_factory=list, examples=[["HF_TOKEN"]],
+        description="names of variables passed from the submitting shell; values never written",
     )
-    workdir: Optional[str] = Field(None, description="directory the job runs in; the submit directory by default")
+    workdir: Optional[str] = Field(
+        None, examples=["/scratch/me/finetune"], description="directory the job runs in; the submit directory by default",
+    )
 
     @field_validator("modules")
     @classmethod
@@ -479,14 +523,14 @@ class Container(_Strict):
         "singularity: '<runtime> exec' around each node's command, on any scheduler",
     )
     image: Optional[str] = Field(
-        None, min_length=1, description="e.g. nvcr.io#nvidia/pytorch:24.05-py3 (pyxis) or /images/ft.sif (apptainer)"
+        None, min_length=1, examples=["nvcr.io#nvidia/pytorch:24.05-py3"], description="e.g. nvcr.io#nvidia/pytorch:24.05-py3 (pyxis) or /images/ft.sif (apptainer)"
     )
     mounts: list[str] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["/scratch/data:/data:ro"]],
         description="SRC:DST or SRC:DST:ro, absolute paths; the working and run directories are always mounted",
     )
     flags: list[str] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["--writable-tmpfs"]],
         description="more options, one argument each: srun's --container-* options (pyxis) or 'apptainer exec' options",
     )
 
@@ -523,19 +567,31 @@ class Container(_Strict):
 
 
 class Lora(_Strict):
+    """The LoRA adapters that method lora and qlora train (peft's LoraConfig); ignored by method full."""
+
     other_names: ClassVar[dict[str, str]] = {
         "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
         "target": "target_modules", "lora_target": "target_modules", "lora_target_modules": "target_modules",
     }
 
-    r: int = Field(16, ge=1, le=1024)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    r: int = Field(
+        16, ge=1, le=1024, examples=[8],
+        description="the rank of each adapter: the inner size of its two low-rank matrices (peft's r); trainable "
+        "parameters grow with it",
+    )
+    alpha: int = Field(
+        32, ge=1, examples=[16],
+        description="the adapters' scale: each adds alpha / r times its product to the layer's output (peft's lora_alpha)",
+    )
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on each adapter's input while training (peft's lora_dropout)")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        examples=[["q_proj", "v_proj"]],
+        description="names of the layers that get adapters (peft's target_modules): by default every attention and MLP "
+        "projection of Llama-style models; a name the model does not have is refused when it loads",
     )
     modules_to_save: list[str] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["lm_head"]],
         description="modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head] "
         "(peft's modules_to_save)",
     )
@@ -566,14 +622,18 @@ class Training(_Strict):
         "flash_attn": "attention", "flash_attention": "attention",
     }
 
-    model: str = Field(..., description="local path or hub name of a causal LM")
+    model: str = Field(
+        ..., examples=["meta-llama/Meta-Llama-3-8B"],
+        description="local path or hub name of a causal LM: a folder with config.json, or a name loaded from the "
+        "Hugging Face cache the nodes use (`jobgen prepare` stages it there)",
+    )
     model_revision: str = Field(
         "main", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]*$",
         description="a hub model's branch, tag or 40-character commit (a commit pins it); ignored for a local folder. "
         "Staged in the nodes' cache (`jobgen prepare`), the nodes load it with the hub offline",
     )
     data: Union[str, list[str]] = Field(
-        ..., description="the training records: a path, or a list of paths read in order; each a JSON array, JSONL, "
+        ..., examples=["data/conversations.jsonl"], description="the training records: a path, or a list of paths read in order; each a JSON array, JSONL, "
         ".parquet file or a folder written by datasets' save_to_disk",
     )
     data_format: Literal["auto", "sharegpt", "openai", "alpaca", "text", "pretokenized"] = Field(
@@ -590,13 +650,13 @@ class Training(_Strict):
         "forbid it",
     )
     chat_template: Optional[str] = Field(
-        None, min_length=1,
+        None, min_length=1, examples=["chatml"],
         description="the layout conversations are trained in: tokenizer (the model's own chat template, the default "
         "where its tokenizer has one), chatml (<|im_start|>role ... <|im_end|>, the default where it has none) or "
         "the path of a Jinja file. The assistant's part (its words and end of turn) is what is learned",
     )
     eval_data: Optional[Union[str, list[str]]] = Field(
-        None, description="held-out records (files as training.data) whose loss is measured every eval_interval steps",
+        None, examples=["data/eval.jsonl"], description="held-out records (files as training.data) whose loss is measured every eval_interval steps",
     )
     eval_fraction: float = Field(
         0.0, ge=0, lt=1,
@@ -604,7 +664,7 @@ class Training(_Strict):
         "with this chance, by its place in the data and seed (so about, not exactly, this fraction); the rest trains",
     )
     eval_interval: Optional[int] = Field(
-        None, ge=1, description="optimizer steps between evaluations (and one at the last step); default save_interval",
+        None, ge=1, examples=[100], description="optimizer steps between evaluations (and one at the last step); default save_interval",
     )
     keep_best: bool = Field(
         False,
@@ -612,20 +672,53 @@ class Training(_Strict):
         "rotation, named by OUTPUT_DIR/checkpoints/best.json, and save its weights to OUTPUT_DIR/best at the end; "
         "needs eval_data or eval_fraction",
     )
-    method: Literal["full", "lora", "qlora"] = "lora"
-    zero_stage: Literal[2, 3] = 2
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    per_device_batch_size: int = Field(1, ge=1)
-    gradient_accumulation: int = Field(1, ge=1)
+    method: Literal["full", "lora", "qlora"] = Field(
+        "lora",
+        description="full: every parameter trains; lora: a LoRA adapter (training.lora) on the frozen model; qlora: "
+        "the same adapter on the model loaded in 4-bit NF4 by bitsandbytes (or on a GPTQ or AWQ checkpoint's own "
+        "quantization)",
+    )
+    zero_stage: Literal[2, 3] = Field(
+        2,
+        description="DeepSpeed ZeRO stage: 2 shards the optimizer state and gradients over the ranks; 3 shards the "
+        "weights too, for a full fine-tune too big for one GPU (not with qlora)",
+    )
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16",
+        description="the training's number format (DeepSpeed's bf16 or fp16 section): bf16 needs a GPU of compute "
+        "capability 8.0 or newer (A100, H100); fp16 for older GPUs; fp32 runs with TF32 matmuls on GPUs, and is "
+        "usually fastest on CPUs",
+    )
+    per_device_batch_size: int = Field(
+        1, ge=1, examples=[4],
+        description="samples (packed rows with packing) each rank computes in one forward and backward pass, the "
+        "micro-batch; lower it first when a GPU runs out of memory",
+    )
+    gradient_accumulation: int = Field(
+        1, ge=1, examples=[2],
+        description="micro-batches summed into one optimizer step: the global batch is per_device_batch_size x "
+        "gradient_accumulation x world size, unless global_batch_size is set",
+    )
     global_batch_size: Optional[int] = Field(
-        None, ge=1,
+        None, ge=1, examples=[64],
         description="samples (packed rows with packing) per optimizer step; default per_device_batch_size x "
         "gradient_accumulation x world size. A checkpoint keeps its global batch: resumed on another world size, "
         "it is split into micro-batches of at most per_device_batch_size and as many accumulation rounds as needed",
     )
-    learning_rate: float = Field(2e-4, gt=0, le=1)
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    learning_rate: float = Field(
+        2e-4, gt=0, le=1, examples=[1e-4],
+        description="AdamW's peak learning rate, reached at the end of the warmup and then shaped by lr_schedule; "
+        "LoRA usually trains at 1e-4 to 3e-4, a full fine-tune at about 1e-5",
+    )
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine",
+        description="the learning rate after the warmup, as transformers' schedules: cosine and linear decay to 0 at "
+        "the run's last step, constant stays at learning_rate",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, examples=[100],
+        description="optimizer steps of linear warmup from 0 to learning_rate; give it or warmup_ratio",
+    )
     warmup_ratio: float = Field(
         0.0, ge=0, le=1, description="warmup as a fraction of the run's optimizer steps (rounded up), as the Hugging "
         "Face Trainer's; give it or warmup_steps",
@@ -633,22 +726,33 @@ class Training(_Strict):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (fills 'auto' in a DeepSpeed config)")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's beta2 (fills 'auto' in a DeepSpeed config)")
     adam_epsilon: float = Field(1e-8, gt=0, lt=1, description="AdamW's epsilon (fills 'auto' in a DeepSpeed config)")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(
+        0.0, ge=0, examples=[0.01], description="AdamW's weight decay (fills 'auto' in a DeepSpeed config)",
+    )
     epochs: int = Field(1, ge=1, description="passes over the data; ignored when max_steps is set")
     max_steps: Optional[int] = Field(
-        None, ge=1,
+        None, ge=1, examples=[1000],
         description="train exactly this many optimizer steps: overrides epochs and cycles the data epoch after epoch, "
         "as max_steps does in the Hugging Face Trainer; the LR schedule ends at it. A checkpoint resumes only "
         "with the same total steps (unless lr_schedule is constant)",
     )
-    max_length: int = Field(2048, ge=8)
+    max_length: int = Field(
+        2048, ge=8, examples=[4096],
+        description="tokens per sample: a longer conversation or pretokenized record is cut to it (the cut ones are "
+        "counted when the data is prepared), a longer text record is split into samples of this length; with packing, "
+        "the length of a row. Refused above the positions the model has",
+    )
     prepared_cache: Optional[str] = Field(
-        None,
+        None, examples=["/shared/jobgen-prepared"],
         description="folder of tokenized data stores, shared by the jobs that name it (a site profile may set it); "
         "default: the run directory's prepared/. Relative to the working directory, as training.data",
     )
     save_interval: int = Field(200, ge=1, description="optimizer steps between periodic checkpoints")
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(
+        2, ge=1,
+        description="periodic checkpoints kept in OUTPUT_DIR/checkpoints: the newest ones; an older one is deleted once "
+        "a newer one is complete (the one keep_best names is kept besides)",
+    )
     async_save: bool = Field(
         True,
         description="training pauses at a checkpoint only to copy its state into host memory (one more copy "
@@ -656,18 +760,22 @@ class Training(_Strict):
         "waits for them. false: training waits for the whole save and needs no host copy",
     )
     step_seconds_estimate: Optional[float] = Field(
-        None, gt=0, description="your estimate of one optimizer step, used only to warn about save_interval"
+        None, gt=0, examples=[2.5], description="your estimate of one optimizer step, used only to warn about save_interval"
     )
     output_dir: str = Field("output", description="adapters, checkpoints and metrics; relative to the run directory")
     init_from: Optional[str] = Field(
-        None, min_length=1,
+        None, min_length=1, examples=["runs/llama3-8b-lora/output/final"],
         description="start this run from another run's weights: its checkpoint folder (OUTPUT_DIR/checkpoints/"
         "step-NNNNNN) or, for lora and qlora, its adapter folder (OUTPUT_DIR/final). Weights only: the run starts at "
         "step 0 with a fresh optimizer and its own LR schedule, and once it has a checkpoint of its own it resumes "
         "from that. For a full model folder, set training.model to it instead. Relative to the working directory",
     )
     lora: Lora = Field(default_factory=Lora)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute activations in the backward pass instead of keeping them: much less memory for about a "
+        "third more compute",
+    )
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto",
         description="transformers' attn_implementation: auto keeps the model's default (sdpa where it has it); "
@@ -679,15 +787,27 @@ class Training(_Strict):
         "model types Liger knows (Llama, Mistral, Qwen, Gemma, Phi-3, ...): faster and leaner on GPUs; needs "
         "`pip install liger-kernel` on the nodes",
     )
-    group_by_length: bool = False
+    group_by_length: bool = Field(
+        False,
+        description="put samples of similar length in the same step, for less padding: each epoch's order is cut into "
+        "megabatches of 50 steps, each sorted by length, and the steps shuffled (as transformers' LengthGroupedSampler)",
+    )
     packing: bool = Field(
         False,
         description="pack several conversations into each row of up to max_length tokens, each attending only to "
         "itself (position ids restart per conversation), with the same loss as unpacked: for data of many short "
         "conversations, where padding would be most of the compute. per_device_batch_size then counts rows",
     )
-    seed: int = 42
-    logging_interval: int = Field(1, ge=1)
+    seed: int = Field(
+        42,
+        description="seeds the data order, the records eval_fraction holds out, the initial adapter weights (the same "
+        "on every rank) and each rank's random streams (seed + rank, e.g. dropout)",
+    )
+    logging_interval: int = Field(
+        1, ge=1, examples=[10],
+        description="optimizer steps between the records in metrics.jsonl, the log and the trackers; the last step, a "
+        "stop and an evaluation are always recorded",
+    )
     tensorboard: bool = Field(False, description="the same as tensorboard in report_to (its older spelling)")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -697,7 +817,7 @@ class Training(_Strict):
         "MLFLOW_TRACKING_URI (environment.variables), else to a file store in RUN_DIR/mlruns",
     )
     deepspeed_config: Optional[str] = Field(
-        None,
+        None, examples=["ds_config_zero2.json"],
         description="a DeepSpeed JSON in place of the bundled ZeRO config, as Hugging Face users write it: 'auto' "
         "values are filled from the job as the Trainer fills them, other values must agree with the job, and a "
         "'scheduler' section of 'auto' values runs as the Hugging Face Trainer runs it (WarmupLR: constant after the "
@@ -732,18 +852,30 @@ class Training(_Strict):
 class Requeue(_Strict):
     """What happens at preemption and at the time limit."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True,
+        description="requeue the job after a preemption and at the time limit, from its last checkpoint (Slurm "
+        "--requeue, PBS Pro and Torque -r y); false: the job ends there, and resources.spare_nodes cannot be used",
+    )
     signal: Literal["USR1", "USR2", "TERM", "INT"] = Field(
         "USR1", description="sent to the batch shell warning_seconds before the time limit"
     )
-    warning_seconds: int = Field(180, ge=30, le=3600)
-    max_restarts: int = Field(5, ge=0, le=1000)
+    warning_seconds: int = Field(
+        180, ge=30, le=3600,
+        description="seconds before the time limit at which the scheduler sends requeue.signal (Slurm --signal=B:SIG@N); "
+        "also how long the ranks have to save a checkpoint and exit after any stop request",
+    )
+    max_restarts: int = Field(
+        5, ge=0, le=1000, examples=[10],
+        description="restarts of one submission at most, its own requeues and the scheduler's (Slurm after a lost node, "
+        "a PBS server's rerun); past it the job stops and keeps its checkpoints, and submitting it again continues",
+    )
     max_restarts_without_progress: int = Field(
         3, ge=1, le=1000,
         description="segments in a row that end without a newer complete checkpoint before the job stops (a restart storm)",
     )
     hang_seconds: Optional[int] = Field(
-        None, ge=10, le=86400,
+        None, ge=10, le=86400, examples=[600],
         description="seconds without a new step after which a job counts as hung; by default derived from its step times",
     )
 
@@ -751,9 +883,13 @@ class Requeue(_Strict):
 class Job(_Strict):
     """A whole job file."""
 
-    name: str = Field("jobgen", min_length=1, max_length=200)
+    name: str = Field(
+        "jobgen", min_length=1, max_length=200, examples=["llama3-8b-lora"],
+        description="the job's name: the scheduler's job name and its run directory, runs/NAME (unless run_dir is set); "
+        "written in ASCII letters, digits, _, . and - (a name with other letters keeps its ASCII and adds a hash)",
+    )
     run_dir: Optional[str] = Field(
-        None, description="defaults to runs/<name>, relative to the submit directory (a name in another script "
+        None, examples=["/scratch/me/runs/llama3-8b-lora"], description="defaults to runs/<name>, relative to the submit directory (a name in another script "
         "than ASCII is written in ASCII with a hash of it, e.g. qwen-cce06f)",
     )
     resources: Resources = Field(default_factory=Resources)
@@ -765,7 +901,7 @@ class Job(_Strict):
     requeue: Requeue = Field(default_factory=Requeue)
     container: Container = Field(default_factory=Container)
     extra_directives: list[str] = Field(
-        default_factory=list, description="site-specific header lines, e.g. '#SBATCH --reservation=ft'"
+        default_factory=list, examples=[["#SBATCH --reservation=ft"]], description="site-specific header lines, e.g. '#SBATCH --reservation=ft'"
     )
 
     @field_validator("name")

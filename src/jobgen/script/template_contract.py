@@ -16,7 +16,7 @@ VARIABLES: dict[str, str] = {
     "scheduler": "the scheduler's name: slurm, pbs, torque, local, or a plug-in's",
     "site": "the site profile's name, or empty",
     "launcher": "the per-node launcher: srun, pbsdsh, pbs_tmrsh, ssh, mpiexec or local",
-    "launchers": "the launcher macros (launchers.sh.j2): launchers[launcher](job) starts node.sh on every node",
+    "launchers": "the launcher macros (launchers.sh.j2): `launchers[launcher](job)` starts node.sh on every node",
     "warnings": "one line each: what the job asks that runs but is probably not meant",
     "nccl": "NCCL variables of the job's network preset and launch fields, NAME -> value (empty on CPUs)",
     "nccl_reasons": "NAME -> one line: the field that sets each of nccl's variables and why (jobgen.job.nccl)",
