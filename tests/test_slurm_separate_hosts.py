@@ -250,3 +250,31 @@ def test_jobgen_slurm_a_powered_off_node_of_a_job_without_spares_is_requeued_by_
     assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
     print(f"power-off of a worker, no spare: Slurm requeued the job {requeued_at - failed_at:.0f} s after the failure")
+
+
+def test_jobgen_slurm_a_spare_that_died_idle_is_not_chosen_when_a_worker_fails_later(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # Slurm cuts a DOWN idle spare out of the allocation; a restart that named it in srun --nodelist
+    # would fail before any rank starts. The batch script reads the allocation again before it.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 2
+    # Slow steps: the spare must be DOWN (SlurmdTimeout, 30 s) before the worker fails mid-run.
+    job_id, run_dir = submit(cluster, "dead-spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "5"})
+    wait_for(lambda: any(step >= 1 for step in trained_steps(run_dir)), "step 1", 300)
+    assert job_state(cluster, job_id)["NodeList"] == "cn[001-004]"
+    powered_off.append("cn003")  # the first spare
+    cluster.power_off("cn003")
+    wait_for(lambda: "DOWN" in cluster.node_state("cn003"), "Slurm to mark the dead spare DOWN", 120)
+    assert max(trained_steps(run_dir)) < MAX_STEPS - 2
+    powered_off.append("cn002")
+    failed_at = cluster.power_off("cn002")
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
+    assert "cn003 are gone from this job: not used again" in log, log  # with cn002, which just failed
+    assert f"jobgen: job {job_id} (restart 1) on cn001 cn004;" in log, log
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"a dead idle spare, then a powered-off worker: {restart_figures(run_dir, first, second, failed_at)}")
