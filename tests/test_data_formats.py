@@ -311,8 +311,8 @@ def test_validate_reads_each_format_and_lists_the_bad_items(tmp_path: Path) -> N
     assert result.returncode == 2 and "'training.data_format' is 'csv'" in result.stderr
 
 
-def test_the_readmes_record_of_each_format_reads_as_that_format(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_guides_record_of_each_format_reads_as_that_format(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "data.md").read_text()
     block = readme.split("One record of each:\n\n```jsonl\n", 1)[1].split("```", 1)[0]
     records = [json.loads(line) for line in block.splitlines()]
     assert len(records) == len(FORMATS)

@@ -269,7 +269,7 @@ class Launch(_Strict):
         "node (same rendezvous, environment, containers, logs), e.g. [python, finetune.py, --deepspeed, ds.json]: "
         "a list of words, as torchrun starts it (no shell between them, each written shell-quoted), so a YAML flow "
         "list reads as the command line and a word with spaces stays one word. training is then not given: the "
-        "program reads its own settings. README: 'Your own training script'",
+        "program reads its own settings. docs/guides/own-script.md",
     )
     stop_signal: Literal["TERM", "USR1", "USR2", "INT"] = Field(
         "TERM",
@@ -295,7 +295,7 @@ class Launch(_Strict):
         default_factory=list, examples=[["wandb", "mlflow"]],
         description="launch.command only: the trackers the program reports to; jobgen keeps one run of each for the "
         "jobgen run and exports WANDB_RUN_ID, WANDB_RESUME=allow, WANDB_DIR, WANDB_MODE (offline unless set), "
-        "MLFLOW_TRACKING_URI, MLFLOW_RUN_ID, so that every requeue continues it. README: 'Experiment trackers'",
+        "MLFLOW_TRACKING_URI, MLFLOW_RUN_ID, so that every requeue continues it. docs/guides/trackers.md",
     )
     launcher: Optional[Literal["srun", "pbsdsh", "pbs_tmrsh", "ssh", "mpiexec", "local"]] = Field(
         None, description="per-node launcher; the scheduler's default when unset"
