@@ -79,12 +79,13 @@ def other_names(model: type[BaseModel], prefix: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for other, target in getattr(model, "other_names", {}).items():
         full = prefix + target if target.split(".")[0] in model.model_fields else target
-        found.setdefault(full, []).append(other)
+        if other not in found.setdefault(full, []):
+            found[full].append(other)
     for name, field in model.model_fields.items():
         inner = section_model(field.annotation)
         if inner is not None:
             for key, names in other_names(inner, prefix + name + ".").items():
-                found.setdefault(key, []).extend(names)
+                found.setdefault(key, []).extend(n for n in names if n not in found[key])
     return found
 
 
@@ -150,7 +151,9 @@ def example_value(field: FieldInfo) -> Any:
     value = None if field.is_required() else default_of(field)
     if value not in (None, [], {}):
         return value
-    for argument in [field.annotation, *typing.get_args(field.annotation)]:
+    # The field's own choices, or an Optional's: not those inside a list (report_to's).
+    union = typing.get_origin(field.annotation) in (Union, types.UnionType)
+    for argument in [field.annotation, *(typing.get_args(field.annotation) if union else ())]:
         if typing.get_origin(argument) is Literal:
             return typing.get_args(argument)[0]
     return None
@@ -172,11 +175,11 @@ def example_yaml(key: str, value: Any) -> str:
 
 
 def markdown_text(text: str) -> str:
-    """Plain text safe in Markdown: outside `code` spans, `*`, `<` and `_` at a word's edge would
-    start emphasis or an HTML tag and eat the text; inside them everything is literal already."""
+    """Plain text safe in Markdown: outside `code` spans, `*` and `_` at a word's edge would start
+    emphasis and `<` an HTML tag, eating the text; inside them everything is literal already."""
     parts = text.split("`")
     for index in range(0, len(parts), 2):
-        parts[index] = re.sub(r"([*\\<>])", r"\\\1", parts[index])
+        parts[index] = re.sub(r"([*\\])", r"\\\1", parts[index]).replace("<", "&lt;")
         parts[index] = re.sub(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", r"\\_", parts[index])
     return "`".join(parts)
 

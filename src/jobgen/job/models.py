@@ -810,7 +810,7 @@ class Training(_Strict):
     )
     tensorboard: bool = Field(False, description="the same as tensorboard in report_to (its older spelling)")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=list,
+        default_factory=list, examples=[["tensorboard", "wandb"]],
         description="experiment trackers that rank 0 logs each logging step to, named as the Hugging Face Trainer "
         "names them; one tracker run per jobgen run however often it is requeued (its ids are kept in the run "
         "directory's trackers.json). W&B runs offline unless WANDB_MODE is set, into RUN_DIR/wandb; MLflow logs to "
