@@ -64,6 +64,19 @@ def test_jobgen_slurm_ranks_on_separate_hosts_meet_at_the_first_nodes_address(sl
                        for rank in range(4)]
 
 
+def test_jobgen_slurm_c10d_rendezvous_on_separate_hosts_is_hosted_by_node_0(slurm_on_hosts) -> None:
+    # torch's c10d backend guesses which node hosts its store by comparing the endpoint (the first
+    # node's NodeAddr) with the machine's own names, which resolve to 127.0.1.1 here: left to guess,
+    # no node hosts it and every node fails to connect. node.sh says it: node 0 hosts.
+    job = probe_job(2, 2)
+    job["launch"]["rendezvous"] = "c10d"
+    job_id, run_dir = submit(slurm_on_hosts, "probe-c10d", job)
+    wait_until_ended(slurm_on_hosts, job_id, run_dir, 180)
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
+    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.out")))
+    assert [(r["hostname"], r["all_reduce_sum"]) for r in records] == [("host2", 10), ("host2", 10), ("host3", 10), ("host3", 10)], logs
+
+
 def job_state(cluster, job_id: str) -> dict[str, str]:
     shown = cluster.on_login(["scontrol", "-o", "show", "job", job_id]).stdout
     return dict(word.split("=", 1) for word in shown.split() if "=" in word)
