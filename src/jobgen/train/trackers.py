@@ -149,7 +149,17 @@ def mlflow_run(run_dir: str, run_name: str, uri: str) -> tuple[Any, str]:
     def create() -> dict:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or run_name
         experiment = client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            try:
+                experiment_id = client.create_experiment(name)
+            except Exception:  # noqa: BLE001 - another point of a sweep created it since we looked
+                # (a tracking server answers RESOURCE_ALREADY_EXISTS): theirs is ours.
+                experiment = client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+                experiment_id = experiment.experiment_id
         return {"run_id": client.create_run(experiment_id, run_name=run_name).info.run_id, "tracking_uri": uri}
 
     kept = keep_id(run_dir, "mlflow", create)
