@@ -180,7 +180,7 @@ def job_text(values: dict[str, Any], recipe: Optional[str], how: str, output: st
     word = _shell_word(output)
     lines = [
         f"# Written by `jobgen init`{f' from the recipe {recipe}' if recipe else ''}. Every field not here takes its default:",
-        "# `jobgen schema` lists them all, README.md says what each section does.",
+        "# `jobgen schema` lists them all; docs/guides/job-files.md says what each section does.",
         f"#   jobgen validate{how} {word}     # checks the job, its data and model; shows the global batch",
         f"#   jobgen submit{how} {word}       # then: jobgen status runs/{values['name']}",
     ]
