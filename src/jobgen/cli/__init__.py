@@ -9,6 +9,7 @@
     export.py     export: a finished run's model, a LoRA adapter merged into its base
     sites.py      jobgen sites list|show|check
     templates.py  jobgen templates list|show
+    reference.py  the documentation's job-key and command references, generated (an mkdocs hook)
 
 May import every part below it; imports nothing heavy at start-up (no torch on a login node).
 """
