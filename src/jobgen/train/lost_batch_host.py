@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from jobgen.rundir.files import EXCLUDED_NODES, SEGMENTS, batch_log
+from jobgen.schedulers.state import parse_key_values
 
 PROBE_SECONDS = 5.0  # a live slurmd accepts a connection well within this
 POLL_SECONDS = 5.0
@@ -45,10 +46,6 @@ def _slurm(*argv: str) -> Optional[str]:
     return done.stdout if done.returncode == 0 else None
 
 
-def _fields(text: Optional[str]) -> dict[str, str]:
-    return dict(word.split("=", 1) for word in (text or "").split() if "=" in word)
-
-
 def _answers(address: str, port: int) -> bool:
     try:
         with socket.create_connection((address, port), timeout=PROBE_SECONDS):
@@ -58,7 +55,7 @@ def _answers(address: str, port: int) -> bool:
 
 
 def _node_down(name: str) -> bool:
-    state = _fields(_slurm("scontrol", "-o", "show", "node", name)).get("State", "")
+    state = parse_key_values(_slurm("scontrol", "-o", "show", "node", name) or "").get("State", "")
     return "DOWN" in state.split("+")
 
 
@@ -110,11 +107,11 @@ def requeue_if_the_batch_host_is_gone(status: int) -> None:
     me = os.environ.get("SLURMD_NODENAME") or os.environ.get("JOBGEN_NODE_NAME", "")
     if not job_id or not run_dir:
         return
-    job = _fields(_slurm("scontrol", "-o", "show", "job", job_id))
+    job = parse_key_values(_slurm("scontrol", "-o", "show", "job", job_id) or "")
     batch_host = job.get("BatchHost", "")
     if not batch_host or batch_host == me or job.get("JobState") != "RUNNING":
         return
-    address = _fields(_slurm("scontrol", "-o", "show", "node", batch_host)).get("NodeAddr", batch_host)
+    address = parse_key_values(_slurm("scontrol", "-o", "show", "node", batch_host) or "").get("NodeAddr", batch_host)
     config = _slurm("scontrol", "show", "config") or ""
     port = next((int(line.split("=")[1]) for line in config.splitlines()
                  if line.replace(" ", "").startswith("SlurmdPort=") and line.split("=")[1].strip().isdigit()), 6818)
