@@ -39,8 +39,8 @@ class SlowAndLogged(TrainerCallback):
 
 
 args = TrainingArguments(output_dir=out, max_steps=12, per_device_train_batch_size=2, learning_rate=1e-3,
-                         logging_steps=1, save_steps=100, report_to=[], use_cpu=True, seed=1,
-                         dataloader_num_workers=0, **json.loads(os.environ.get("EXTRA_ARGS", "{}")))
+                         logging_steps=1, report_to=[], use_cpu=True, seed=1,
+                         **{"save_steps": 100, "dataloader_num_workers": 0, **json.loads(os.environ.get("EXTRA_ARGS", "{}"))})
 model = AutoModelForCausalLM.from_pretrained(f"{tiny}/model")
 trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[JobgenCallback(), SlowAndLogged()])
 trainer.train(resume_from_checkpoint=resume)

@@ -261,3 +261,64 @@ JobgenCallback(run_dir=str("{tmp_path}")).on_train_end(None, None, None)
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "at exit: [True, True]\n", ran.stdout
+
+
+# A stand-in for a rank whose file system is slow: rank 1 takes 60 s to begin writing its
+# rng_state_1.pth of checkpoint-4 (in the first run only), as a rank on a loaded network file system can. Everything else
+# is the real Trainer, its real save order, a real kill.
+SLOW_RNG_SAVE_OF_RANK_1 = '''import sys, time
+import transformers
+
+_save_rng_state = transformers.Trainer._save_rng_state
+
+
+def slow_on_rank_1(self, output_dir):
+    if self.args.process_index == 1 and self.state.global_step == 4 and "--resume_from_checkpoint" not in sys.argv:
+        time.sleep(60)
+    _save_rng_state(self, output_dir)
+
+
+transformers.Trainer._save_rng_state = slow_on_rank_1
+'''
+
+
+def test_a_trainer_checkpoint_whose_ranks_have_not_all_saved_is_not_resumed_from_slow_rank_stand_in(tmp_path: Path) -> None:
+    # transformers' _save_checkpoint: rank 0 writes trainer_state.json (launch.checkpoint_complete_file)
+    # right after its own rng_state_0.pth, with no barrier for the others'. A run lost in that window
+    # left a checkpoint jobgen took as complete; the resumed rank 1 found no RNG file, said so at INFO
+    # level and went on with another random stream.
+    from jobgen.rundir.files import batch_log_job_id
+    from tests.own_scripts import FINETUNE, logged
+    from tests.processes import signal_all, with_environment
+    from tests.test_slurm_requeue import wait_for
+
+    tiny = tiny_model(tmp_path / "tiny")
+    (tmp_path / "train.py").write_text(SLOW_RNG_SAVE_OF_RANK_1 + FINETUNE)
+    (tmp_path / "out").mkdir()
+    write_job(tmp_path, {"command": ["python", "train.py", str(tiny), "out"], "checkpoints": "out/checkpoint-*",
+                         "resume_argument": "--resume_from_checkpoint {checkpoint}"},
+              environment={"variables": {"EXTRA_ARGS": json.dumps({"save_steps": 2})}})
+    env = {**os.environ, "PATH": VENV_PATH}
+    submit = [sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"]
+    first = subprocess.Popen(submit, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    deadline = time.time() + 240
+    while not (checkpoint / "trainer_state.json").exists():
+        assert time.time() < deadline and first.poll() is None, first.stdout.read() if first.poll() is not None else "no step 4"
+        time.sleep(0.2)
+    # The window: rank 0's part and trainer_state.json are there, rank 1's RNG state is not. The
+    # machine is lost now: every process of the run killed at once.
+    assert (checkpoint / "rng_state_0.pth").exists() and not (checkpoint / "rng_state_1.pth").exists()
+    run_dir = tmp_path / "runs" / "own"
+    job_id = next(name for p in (run_dir / "logs").glob("*.out") if (name := batch_log_job_id(p.name)))
+    signal_all(with_environment("JOBGEN_JOB_ID", job_id) + [first.pid], signal.SIGKILL)
+    first.communicate(timeout=60)
+    wait_for(lambda: not with_environment("JOBGEN_JOB_ID", job_id), f"every process of {job_id} gone", 30)
+    second = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    logs = "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*.out")))
+    assert f"jobgen: resuming from {tmp_path}/out/checkpoint-2 (launch.resume_argument)" in logs, logs[-3000:]
+    assert logged(tmp_path)[-1]["step"] == 12
+    sealed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*/jobgen-sealed"))
+    assert sealed and all(step % 2 == 0 for step in sealed), sealed

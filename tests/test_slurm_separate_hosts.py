@@ -97,8 +97,21 @@ def training(cluster) -> dict:
 
 
 def ended(cluster, job_id: str, timeout: float = 300) -> str:
-    return wait_for(lambda: job_state(cluster, job_id).get("JobState") in ENDED and job_state(cluster, job_id)["JobState"],
-                    f"job {job_id} to end", timeout)
+    deadline = time.monotonic() + timeout
+    while (state := job_state(cluster, job_id).get("JobState")) not in ENDED:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} still {state} after {timeout} s\n{what_slurm_and_the_logs_say(cluster, job_id)}")
+        time.sleep(1)
+    return state
+
+
+def what_slurm_and_the_logs_say(cluster, job_id: str) -> str:
+    """What a person would look at when a job does not end: the job, the nodes, the run's logs."""
+    shown = [cluster.on_login(argv).stdout for argv in (["scontrol", "show", "job", job_id], ["sinfo", "-N", "-l"],
+                                                           ["squeue", "-s", "-j", job_id])]
+    run_dir = next((p for p in (cluster.served / "runs").glob("*") if (p / "logs" / f"{job_id}.out").exists()), None)
+    logs = [] if run_dir is None else [f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file()]
+    return "\n".join(shown + logs)
 
 
 @pytest.fixture(scope="module")

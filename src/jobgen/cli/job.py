@@ -194,7 +194,7 @@ def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:
     run = submission.run_dir_for(resolved)
     submission.refuse_if_active(run)
     if resolved.job.training is None:
-        return _set_aside_own_after(resolved, choice, dry_run)
+        return _set_aside_own_after(resolved, run.path, choice, dry_run)
     output = output_dir(run.path, {"training": {"output_dir": resolved.job.training.output_dir}})
     step = rewind.chosen_step(output, choice)
     moved = rewind.set_aside_after(output, step, dry_run)
@@ -203,7 +203,7 @@ def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:
                f"{where}", err=True)
 
 
-def _set_aside_own_after(resolved, choice: str, dry_run: bool) -> None:
+def _set_aside_own_after(resolved, run_dir: Path, choice: str, dry_run: bool) -> None:
     """--resume-from for the job's own program: its checkpoints are what launch.checkpoints matches
     under the working directory, and the batch script resumes from the newest complete one, so the
     later ones are moved out of the pattern's reach."""
@@ -212,7 +212,7 @@ def _set_aside_own_after(resolved, choice: str, dry_run: bool) -> None:
 
     launch = resolved.job.launch
     workdir = Path(working_directory(resolved.job))
-    step = rewind.own_chosen_step(workdir, launch.checkpoints, launch.checkpoint_complete_file, choice)
+    step = rewind.own_chosen_step(workdir, launch.checkpoints, launch.checkpoint_complete_file, choice, run_dir)
     moved = rewind.set_aside_own_after(workdir, launch.checkpoints, step, dry_run)
     where = f"moved to {moved[0].parent}" if moved and not dry_run else "would be set aside" if moved else "none to set aside"
     click.echo(f"jobgen: resuming from step {step} (launch.checkpoints); later checkpoints "

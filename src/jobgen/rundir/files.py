@@ -19,6 +19,12 @@ SEGMENTS = "segments.jsonl"  # one start and one end line per segment, written b
 SUBMISSIONS = "submissions.jsonl"  # one line per `jobgen submit`, and per continuation a job submits of itself
 SUBMISSION_TEXT = "submission.txt"  # the script as it was handed to the scheduler
 NEWEST_CHECKPOINT = "newest-checkpoint"  # the job's own program (launch.command): its newest complete checkpoint's path
+# The job's own program with JobgenCallback (jobgen.train.hf): the Trainer's rank 0 writes
+# trainer_state.json without waiting for the other ranks' rng_state_N.pth, so the callback marks
+# each checkpoint with SEALED_MARK once every rank has saved, and says so in the run directory
+# with OWN_CHECKPOINTS_SEALED: from then on a checkpoint without the mark is not complete.
+OWN_CHECKPOINTS_SEALED = "own-checkpoints-sealed"
+SEALED_MARK = "jobgen-sealed"
 STOP_REQUESTED = "stop-requested"  # the batch script's request that every rank checkpoints and stops
 TRAINER_EXIT = "trainer-exit.json"  # rank 0's report of what the run did (jobgen.train.exit_report)
 LOGS = "logs"
@@ -114,6 +120,8 @@ class _TemplateFiles:
     submissions = SUBMISSIONS
     stop_requested = STOP_REQUESTED
     newest_checkpoint = NEWEST_CHECKPOINT
+    own_checkpoints_sealed = OWN_CHECKPOINTS_SEALED
+    sealed_mark = SEALED_MARK
     tracker_ids = TRACKER_IDS
     trainer_exit = TRAINER_EXIT
     logs = LOGS

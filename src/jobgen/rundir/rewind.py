@@ -19,6 +19,7 @@ from pathlib import Path
 
 from jobgen.errors import JobgenError
 from jobgen.files import write_atomic
+from jobgen.rundir import files
 from jobgen.rundir.files import BEST_CHECKPOINT, METRICS_FILE
 
 CHECKPOINTS = "checkpoints"
@@ -99,27 +100,30 @@ def _names(folder: Path) -> list[str]:
 OWN_STEP = re.compile(r"([0-9]+)[^0-9]*$")
 
 
-def own_checkpoints(workdir: Path, pattern: str, complete_file: str | None) -> dict[int, tuple[Path, bool]]:
-    """{step: (folder, complete)} of every folder `pattern` matches under `workdir` whose name has a number."""
+def own_checkpoints(workdir: Path, pattern: str, complete_file: str | None,
+                    run_dir: Path | None = None) -> dict[int, tuple[Path, bool]]:
+    """{step: (folder, complete)} of every folder `pattern` matches under `workdir` whose name has a
+    number; complete as the batch script judges it (with the seal, once the run's callback seals)."""
     import glob
 
+    sealed = run_dir is not None and (run_dir / files.OWN_CHECKPOINTS_SEALED).exists()
     found: dict[int, tuple[Path, bool]] = {}
     for match in sorted(glob.glob(pattern, root_dir=workdir)):
         path = workdir / match
         number = OWN_STEP.search(path.name)
         if number is None or not path.is_dir():
             continue
-        complete = complete_file is None or (path / complete_file).exists()
+        complete = (complete_file is None or (path / complete_file).exists()) and (not sealed or (path / files.SEALED_MARK).exists())
         step = int(number.group(1))
         if step not in found or complete:
             found[step] = (path, complete)
     return found
 
 
-def own_chosen_step(workdir: Path, pattern: str, complete_file: str | None, choice: str) -> int:
+def own_chosen_step(workdir: Path, pattern: str, complete_file: str | None, choice: str, run_dir: Path | None = None) -> int:
     """The step of `choice` (50, checkpoint-50, or its path) among the program's complete
     checkpoints; JobgenError naming the option, the value and those it could be."""
-    found = own_checkpoints(workdir, pattern, complete_file)
+    found = own_checkpoints(workdir, pattern, complete_file, run_dir)
     complete = sorted(step for step, (_, done) in found.items() if done)
     have = ", ".join(found[step][0].name for step in complete) or "none"
     number = OWN_STEP.search(Path(choice).name)

@@ -11,6 +11,14 @@ moments), then every rank sets `should_save` and `should_training_stop`: the Tra
 checkpoint-N of that step and `train()` returns, and the script exits 0, which jobgen reads, after
 its stop request, as "stopped with a checkpoint" and requeues.
 
+It also seals each checkpoint the Trainer saves: the Trainer's rank 0 writes trainer_state.json,
+the file jobgen takes as "complete", without waiting for the other ranks' rng_state_N.pth (no
+barrier between them in transformers' _save_checkpoint), so a node lost in between would leave a
+"complete" checkpoint that resumes with another RNG or not at all. At on_save every rank has
+saved its part; after one barrier rank 0 writes SEALED_MARK into the checkpoint, and at the start
+it says in the run directory that it seals (OWN_CHECKPOINTS_SEALED): the batch script then passes
+only sealed checkpoints.
+
 At the end of training it also has the stop signals ignored once the script exits (a late one
 would kill the rank while Python finalizes) and the process group destroyed, while Python is
 still whole: a Trainer never destroys it, and gloo's worker threads can then abort
@@ -25,9 +33,12 @@ from __future__ import annotations
 
 import atexit
 import os
+from pathlib import Path
 from typing import Any
 
-from jobgen.rundir.files import STOP_REQUESTED
+from jobgen.files import write_atomic
+
+from jobgen.rundir.files import OWN_CHECKPOINTS_SEALED, SEALED_MARK, STOP_REQUESTED
 from jobgen.train.stop import StopRequest
 
 
@@ -36,8 +47,23 @@ class StopAtStepEnd:
 
     def __init__(self, run_dir: str | None = None) -> None:
         run_dir = run_dir or os.environ.get("JOBGEN_RUN_DIR")
+        self.run_dir = run_dir or None
         self.stop = StopRequest(os.path.join(run_dir, STOP_REQUESTED) if run_dir else None).install()
         self.stopped_at: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.run_dir and state.is_world_process_zero:
+            write_atomic(Path(self.run_dir) / OWN_CHECKPOINTS_SEALED, "JobgenCallback seals each checkpoint it sees saved\n")
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        _barrier()  # every rank has written its part of the checkpoint
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            write_atomic(checkpoint / SEALED_MARK, f"every rank saved step {state.global_step}\n")
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.stopped_at is None and self._agreed(args):
@@ -68,6 +94,13 @@ class StopAtStepEnd:
         flag = torch.tensor([asked], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def ignore_stop_signals() -> None:
