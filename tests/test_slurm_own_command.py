@@ -33,7 +33,9 @@ def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": "debug", "exclusive": True},
         "launch": {"procs_per_node": 1, "command": command(script, tiny), "checkpoints": "out/checkpoint-*",
                    **SCRIPTS[script][1]},
-        "environment": {"variables": {"STEP_DELAY": step_delay}},
+        # The Trainer's data comes from 2 DataLoader worker processes, which Slurm's preemption
+        # signals as it does every process of the job's steps.
+        "environment": {"variables": {"STEP_DELAY": step_delay, "EXTRA_ARGS": '{"dataloader_num_workers": 2}'}},
         "requeue": {"max_restarts": 3, "warning_seconds": 30},
     }
     (folder / "job.yaml").write_text(yaml.safe_dump(job))

@@ -19,6 +19,12 @@ saved its part; after one barrier rank 0 writes SEALED_MARK into the checkpoint,
 it says in the run directory that it seals (OWN_CHECKPOINTS_SEALED): the batch script then passes
 only sealed checkpoints.
 
+Its DataLoader worker processes outlive a stop signal for as long as the ranks may take to stop
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT, requeue.warning_seconds in a jobgen job): torch's workers die
+at a SIGTERM from anyone but their rank, and Slurm's preemption signals every process of the
+job's steps, so the rank raised "DataLoader worker ... is killed by signal: Terminated" before
+the callback could save. A worker then ends by itself once that time is up.
+
 At the end of training it also has the stop signals ignored once the script exits (a late one
 would kill the rank while Python finalizes) and the process group destroyed, while Python is
 still whole: a Trainer never destroys it, and gloo's worker threads can then abort
@@ -32,6 +38,7 @@ DeepSpeed never: a script may import this before it decides what to use.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -52,6 +59,10 @@ class StopAtStepEnd:
         self.stopped_at: int | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        loader = kwargs.get("train_dataloader")
+        loader = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates its base
+        if loader is not None and getattr(loader, "num_workers", 0) > 0:
+            loader.worker_init_fn = functools.partial(outlive_stop_signals, loader.worker_init_fn)
         if self.run_dir and state.is_world_process_zero:
             write_atomic(Path(self.run_dir) / OWN_CHECKPOINTS_SEALED, "JobgenCallback seals each checkpoint it sees saved\n")
         return control
@@ -94,6 +105,26 @@ class StopAtStepEnd:
         flag = torch.tensor([asked], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def outlive_stop_signals(init_fn: Any, worker_id: int) -> None:
+    """A DataLoader worker's init (module level: a worker of the spawn or forkserver kind gets it
+    pickled): a stop signal starts the time the rank has to stop, then SIGALRM ends the worker as
+    the signal would have. Set after torch's own worker handlers, which this one replaces."""
+    import signal
+
+    from jobgen.train.stop import STOP_SIGNALS
+
+    grace = max(1, int(float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or 60)))
+
+    def stop_later(signum: int, frame: object) -> None:
+        if signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+            signal.alarm(grace)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_later)
+    if init_fn is not None:
+        init_fn(worker_id)
 
 
 def _barrier() -> None:
