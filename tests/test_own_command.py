@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,3 +323,55 @@ def test_a_trainer_checkpoint_whose_ranks_have_not_all_saved_is_not_resumed_from
     assert logged(tmp_path)[-1]["step"] == 12
     sealed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*/jobgen-sealed"))
     assert sealed and all(step % 2 == 0 for step in sealed), sealed
+
+
+# A program of the user's that checkpoints with accelerate's save_state (2 ranks on gloo): a save
+# at steps 2 and 4 (folders numbered by save count: checkpoint_0, checkpoint_1), then, with
+# MARK=COMPLETE, a completion file written after every rank has saved, as the guide says; it fails
+# after step 4 unless it resumed.
+ACCELERATE_SCRIPT = r'''import os, sys
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+
+accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir="out", automatic_checkpoint_naming=True))
+model = accelerator.prepare(torch.nn.Linear(4, 4))
+resume = sys.argv[sys.argv.index("--resume") + 1] if "--resume" in sys.argv else None
+if resume:
+    accelerator.load_state(resume)
+    accelerator.project_configuration.iteration = int(resume.rsplit("_", 1)[1]) + 1
+    print(f"rank {accelerator.process_index}: resumed from {resume}", flush=True)
+    sys.exit(0)
+for step in (1, 2, 3, 4):
+    if step % 2 == 0:
+        saved = accelerator.save_state()
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process and os.environ.get("MARK"):
+            open(os.path.join(saved, os.environ["MARK"]), "w").close()
+sys.exit(1)  # a failure after step 4: the next submit resumes
+'''
+
+
+def test_accelerate_save_state_checkpoints_are_refused_in_one_line_until_a_completion_file_is_set(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(ACCELERATE_SCRIPT)
+    launch = {"command": ["python", "train.py"], "checkpoints": "out/checkpoints/checkpoint_*",
+              "resume_argument": "--resume {checkpoint}"}
+    config = write_job(tmp_path, launch)
+    first = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    assert first.returncode != 0 and (tmp_path / "out" / "checkpoints" / "checkpoint_1" / "random_states_1.pkl").exists()
+    again = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    log = jobgen("logs", str(tmp_path / "runs" / "own")).stdout + again.stdout + again.stderr
+    assert again.returncode != 0
+    assert re.search(r"jobgen: launch.checkpoints matches out/checkpoints/checkpoint_[01], saved by accelerate's save_state, "
+                     r"which writes no trainer_state.json \(launch.checkpoint_complete_file\)", log), log
+    assert "set launch.checkpoint_complete_file: COMPLETE" in log and "resumed from" not in log
+
+    # Done as the line says (the old checkpoints moved away): the next run's checkpoints are
+    # complete, and the one after resumes from the newest.
+    (tmp_path / "out").rename(tmp_path / "out-unmarked")
+    config = write_job(tmp_path, {**launch, "checkpoint_complete_file": "COMPLETE"}, environment={"variables": {"MARK": "COMPLETE"}})
+    jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    resumed = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    log = jobgen("logs", str(tmp_path / "runs" / "own")).stdout
+    assert f"rank 1: resumed from {tmp_path}/out/checkpoints/checkpoint_1" in log, log
