@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from jobgen.train.heartbeat import detection_delay
+from tests.cluster import hosts as separate
 from tests.cluster.hosts import REAL_INTERFACE
 from tests.cluster.slurm_hosts import CACHE_SECONDS
 from tests.helpers import adapter, assert_bitwise_equal, tiny_model
@@ -304,3 +306,46 @@ def test_jobgen_slurm_a_spare_that_died_idle_is_not_chosen_when_a_worker_fails_l
     assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
     print(f"a dead idle spare, then a powered-off worker: {restart_figures(run_dir, first, second, failed_at)}")
+
+
+def training_processes_on(cluster, name: str) -> list[int]:
+    """The pids of the job's training processes (jobgen-torchrun and its ranks) on node `name`."""
+    pids = subprocess.run(["ip", "netns", "pids", cluster.node(name).host.netns], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            if b"jobgen.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_jobgen_slurm_a_partitioned_worker_is_replaced_by_the_spare_and_its_processes_end_when_it_is_back(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # A lost cable: the node's processes live on, cut off (its ranks blocked in a collective, its
+    # mount gone dead), while the job goes on without it. When the link comes back, Slurm, which cut
+    # the node out of the job, ends what is left of the old step there; nothing of it reaches the run.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    job_id, run_dir = submit(cluster, "partition-worker", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
+    powered_off.append("cn002")  # powered on afresh after the test, whatever is left of it
+    failed_at = cluster.partition("cn002")
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
+    assert f"jobgen: job {job_id} (restart 1) on cn001 cn003;" in log, log
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    stale = training_processes_on(cluster, "cn002")
+    reconnected_at = time.time()
+    separate.link_up(cluster.node("cn002").host)
+    wait_for(lambda: not training_processes_on(cluster, "cn002"), "the old step's processes on cn002 to end", 180)
+    gone_after = time.time() - reconnected_at
+    assert_bitwise_equal(run_dir, reference)  # nothing of theirs was written when the mount came back
+    print(f"partition of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}; "
+          f"{len(stale)} process(es) of the old step left on cn002, ended {gone_after:.0f} s after its link came back")
