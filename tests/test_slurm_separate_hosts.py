@@ -349,3 +349,30 @@ def test_jobgen_slurm_a_partitioned_worker_is_replaced_by_the_spare_and_its_proc
     assert_bitwise_equal(run_dir, reference)  # nothing of theirs was written when the mount came back
     print(f"partition of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}; "
           f"{len(stale)} process(es) of the old step left on cn002, ended {gone_after:.0f} s after its link came back")
+
+
+def test_jobgen_slurm_a_worker_whose_slurmd_dies_alone_leaves_the_run_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # The daemon alone dies (its ranks, network and mount live on): Slurm marks the node DOWN after
+    # SlurmdTimeout as if it had failed, and cuts it out of the --no-kill job.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    # Slow steps: the training must outlast SlurmdTimeout (30 s) and Slurm's reaction.
+    job_id, run_dir = submit(cluster, "slurmd-death", job, env={"JOBGEN_DEBUG_STEP_DELAY": "6"})
+    wait_for(lambda: any(step >= 1 for step in trained_steps(run_dir)), "step 1", 300)
+    powered_off.append("cn002")  # slurmd started again after the test
+    failed_at = cluster.kill_slurmd("cn002")
+    wait_for(lambda: "DOWN" in cluster.node_state("cn002"), "Slurm to mark cn002 DOWN", 120)
+    down_after = time.time() - failed_at
+    assert max(trained_steps(run_dir)) < MAX_STEPS - 2, "the training ended before Slurm said anything"
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    events = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    ends = [e for e in events if e["event"] == "end"]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert ends[-1]["outcome"] == "completed", log
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    print(f"slurmd of a worker killed alone: DOWN in Slurm {down_after:.0f} s after; segments "
+          f"{[(e['outcome'], e.get('nodes')) for e in ends]}; "
+          + (restart_figures(run_dir, ends[0], ends[1], failed_at) if len(ends) > 1 else "no restart"))
