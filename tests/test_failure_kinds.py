@@ -164,8 +164,11 @@ def test_a_node_whose_processes_all_vanish_is_a_node_failure_that_names_and_excl
     assert (f"jobgen: node failure: node(s) {host} lost: all of its processes ended at once without a status (killed, "
             "or the node went down), and the other nodes' ranks failed for want of it") in output, output
     assert (run_dir / "excluded-nodes").read_text().split() == [host]
-    (record,) = [(p.name, p.read_text()) for p in (run_dir / "node-ends").iterdir()]
-    assert record in {("0", f"1 {host} run\n"), ("0", f"143 {host} run\n")}
+    # Node 0's record of the segment (under each of its names); node 1 left none.
+    (segment,) = (run_dir / "node-ends").iterdir()
+    records = {p.name: p.read_text() for p in segment.iterdir()}
+    assert segment.name == f"{job_id}-0" and set(records) == {f"0.{look}" for look in range(6)}, records
+    assert set(records.values()) <= {f"1 {host} run\n", f"143 {host} run\n"}, records
 
 
 def test_a_node_whose_setup_fails_otherwise_is_a_failure_of_the_job_not_a_lost_node(tmp_path: Path) -> None:
@@ -173,4 +176,5 @@ def test_a_node_whose_setup_fails_otherwise_is_a_failure_of_the_job_not_a_lost_n
     assert outcomes(run_dir) == ["failed"], output
     assert "lost" not in output and not (run_dir / "excluded-nodes").exists()
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    assert (run_dir / "node-ends" / "1").read_text() == f"3 {host} setup\n"
+    (segment,) = (run_dir / "node-ends").iterdir()
+    assert (segment / "1.0").read_text() == (segment / "1.5").read_text() == f"3 {host} setup\n"

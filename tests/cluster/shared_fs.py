@@ -69,13 +69,14 @@ def _start_sshd(state: Path) -> tuple[subprocess.Popen, int, Path]:
     pytest.fail(f"sshd did not listen on 127.0.0.1:{port}: {(state / 'sshd.log').read_text()}", pytrace=False)
 
 
-def _mount(port: int, key: Path, served: Path, mount: Path) -> None:
+def _mount(port: int, key: Path, served: Path, mount: Path, misses: float = CACHE_SECONDS) -> None:
+    """`misses`: how long the mount trusts a "no such file" (FUSE's negative_timeout)."""
     mount.mkdir()
     cache = CACHE_SECONDS
     options = [
         f"IdentityFile={key}", "StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR",
         "dir_cache=yes", f"dcache_timeout={cache}", f"attr_timeout={cache}", f"entry_timeout={cache}",
-        f"negative_timeout={cache}",
+        f"negative_timeout={misses}",
     ]
     done = subprocess.run(["sshfs", "-p", str(port), "-o", ",".join(options), f"root@127.0.0.1:{served}", str(mount)],
                           capture_output=True, text=True, timeout=60)
@@ -92,6 +93,21 @@ def _unmount(mount: Path) -> None:
 @pytest.fixture
 def shared_fs():
     """A `SharedFolder` served by its own sshd and mounted twice (node A's view, node B's)."""
+    yield from _shared_folder(CACHE_SECONDS)
+
+
+# As long as NFS with its defaults can keep a miss: lookupcache=all holds a negative entry until
+# the folder's cached attributes expire, acdirmax 60 s.
+MISSES_KEPT_LONG = 60
+
+
+@pytest.fixture
+def shared_fs_keeping_misses():
+    """`shared_fs` whose mounts answer "no such file" for MISSES_KEPT_LONG seconds after a miss."""
+    yield from _shared_folder(MISSES_KEPT_LONG)
+
+
+def _shared_folder(misses: float):
     if os.geteuid() != 0:
         cannot_run("needs root to mount sshfs and run an sshd (tests/cluster/shared_fs.py)")
     if shutil.which("sshfs") is None or not os.path.exists(SSHD):
@@ -107,7 +123,7 @@ def shared_fs():
     try:
         for name in ("node-a", "node-b"):
             mount = state / name
-            _mount(port, key, served, mount)
+            _mount(port, key, served, mount, misses)
             mounts.append(mount)
         yield SharedFolder(served, tuple(mounts))
     finally:

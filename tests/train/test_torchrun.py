@@ -164,7 +164,11 @@ def test_a_stop_signal_is_recorded_as_the_nodes_end_the_moment_it_arrives(tmp_pa
     monkeypatch.setenv("JOBGEN_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("JOBGEN_NODE_NAME", "node7")
+    monkeypatch.setenv("JOBGEN_JOB_ID", "4711")
+    monkeypatch.setenv("JOBGEN_RESTART_COUNT", "2")
     torchrun.record_at_a_stop_signal()
     with pytest.raises(api.SignalException):
         api._terminate_process_handler(signal.SIGTERM, None)
-    assert (tmp_path / "node-ends" / "1").read_text() == "143 node7 run\n"
+    # This segment's record, under a name for each of the batch script's looks.
+    records = {p.name: p.read_text() for p in (tmp_path / "node-ends" / "4711-2").iterdir()}
+    assert records == {f"1.{look}": "143 node7 run\n" for look in range(6)}

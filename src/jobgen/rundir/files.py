@@ -45,10 +45,15 @@ IN_ALLOCATION_RESTARTS = "in-allocation-restarts"
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
 NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with exit_node_failed or exit_do_not_requeue: "STATUS NODE"
-# A file per node (NODE_RANK), written as the node's part ends: "STATUS NODE PHASE", PHASE `setup`
-# (its setup ended it) or `run` (jobgen-torchrun's own status). A node without one lost all its
-# processes at once (killed, or the node went down): the batch script tells it from the others.
+# Per segment (NODE_ENDS/JOBID-RESTART/), a record per node written as the node's part ends:
+# "STATUS NODE PHASE", PHASE `setup` (its setup ended it) or `run` (jobgen-torchrun's own status).
+# A node without one lost all its processes at once (killed, or the node went down): the batch
+# script tells it from the others. The same record is written under NODE_END_LOOKS names
+# (RANK.0, RANK.1, ...) and the batch script reads a name of its own at each look: a network file
+# system that cached a miss of one name (NFS's lookupcache, FUSE's negative_timeout) would answer
+# "missing" for it long after the node wrote, but has never been asked for the next one.
 NODE_ENDS = "node-ends"
+NODE_END_LOOKS = 6
 SWEEP_RECORD = "sweep.json"  # in a sweep's folder: its points (values, run directories) and submissions
 SLURM_CONTINUATION = "job.slurm-continuation.sh"  # the script a Slurm job resubmits itself with, away from a bad node
 PREPARED = "prepared"  # tokenized data stores (jobgen.train.store), unless training.prepared_cache names another folder
@@ -102,6 +107,16 @@ def node_exit(job_id: str, node: int | str) -> str:
     return f"{LOGS}/{job_id}-node{node}.exit"
 
 
+def node_end_folder(job_id: str, restart: int | str) -> str:
+    """The node-end records of segment (job_id, restart)."""
+    return f"{NODE_ENDS}/{job_id}-{restart}"
+
+
+def node_end(job_id: str, restart: int | str, rank: int | str, look: int | str) -> str:
+    """Node `rank`'s end record in segment (job_id, restart), the name for look `look`."""
+    return f"{node_end_folder(job_id, restart)}/{rank}.{look}"
+
+
 def batch_log_job_id(file_name: str) -> Optional[str]:
     """The job id of a file in logs/ named as `batch_log` names it; None for any other file."""
     if not file_name.endswith(".out") or re.search(r"-(node|rank)\d+\.out$", file_name):
@@ -149,6 +164,9 @@ class _TemplateFiles:
     node_log = staticmethod(node_log)
     rank_log = staticmethod(rank_log)
     node_exit = staticmethod(node_exit)
+    node_end = staticmethod(node_end)
+    node_end_folder = staticmethod(node_end_folder)
+    node_end_looks = NODE_END_LOOKS
 
 
 TEMPLATE_FILES = _TemplateFiles()

@@ -46,7 +46,7 @@ import time
 # At the top, not inside record_node_end: it runs in a signal handler too, where an import may
 # meet one the main thread has half done (under OpenPBS's preemption the record once raised there).
 from jobgen.files import replace_atomically
-from jobgen.rundir.files import NODE_ENDS
+from jobgen.rundir.files import NODE_END_LOOKS, node_end, node_end_folder
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 REPORT_TO_ENV = "JOBGEN_REPORT_TO"  # launch.report_to, comma-separated, set by node.sh
@@ -243,16 +243,19 @@ def export_tracker_environment() -> None:
 
 
 def record_node_end(status: int) -> None:
-    """RUN_DIR/node-ends/NODE_RANK: "STATUS NODE run", for the batch script. A node that leaves
-    none lost all its processes at once (killed, or gone down) while the other nodes' ranks failed
-    for want of it (jobgen.rundir.files.NODE_ENDS); outside a jobgen job, nothing."""
+    """This segment's record of this node's end, "STATUS NODE run", for the batch script, under
+    each of its names (jobgen.rundir.files.NODE_ENDS). A node that leaves none lost all its
+    processes at once (killed, or gone down) while the other nodes' ranks failed for want of it;
+    outside a jobgen job, nothing."""
     run_dir, rank = os.environ.get("JOBGEN_RUN_DIR"), os.environ.get("NODE_RANK", "")
-    if not run_dir or not rank.isdigit():
+    job_id, restart = os.environ.get("JOBGEN_JOB_ID"), os.environ.get("JOBGEN_RESTART_COUNT", "0")
+    if not run_dir or not job_id or not rank.isdigit():
         return
     name = os.environ.get("JOBGEN_NODE_NAME") or socket.gethostname()
     try:
-        os.makedirs(os.path.join(run_dir, NODE_ENDS), exist_ok=True)
-        replace_atomically(os.path.join(run_dir, NODE_ENDS, rank), f"{status} {name} run\n")
+        os.makedirs(os.path.join(run_dir, node_end_folder(job_id, restart)), exist_ok=True)
+        for look in range(NODE_END_LOOKS):
+            replace_atomically(os.path.join(run_dir, node_end(job_id, restart, rank, look)), f"{status} {name} run\n")
     except OSError as error:
         sys.stderr.write(f"jobgen-torchrun: could not record this node's end ({error})\n")
 
