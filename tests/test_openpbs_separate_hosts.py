@@ -2,8 +2,9 @@
 (tests/cluster/openpbs_hosts.py): the job submitted on the server host, its chunks on two other
 hosts whose own name is 127.0.1.1 on themselves, each with a first interface that routes nowhere,
 the run folder on a network file system that each host mounts on its own, and pbsdsh starting
-the second node's task through the MoMs and pbs_comm, with the task's bare environment. About 3
-minutes, half of it the uninterrupted reference run."""
+the second node's task through the MoMs and pbs_comm, with the task's bare environment; and a
+compute host that powers off mid-training. About 5 minutes, a third of it the uninterrupted
+reference run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.cluster.hosts import assert_probe_met_at_node_0
@@ -76,3 +78,88 @@ def test_jobgen_openpbs_training_rerun_on_separate_hosts_stops_with_a_checkpoint
     assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", first["last_step"], 1), second
     assert trained_steps(run_dir)[-1] == MAX_STEPS
     assert_bitwise_equal(run_dir, reference)
+
+
+
+def qstat_fields(cluster, job_id: str) -> dict[str, str]:
+    """The job's `qstat -xf` as NAME -> value (continued lines joined)."""
+    fields, name = {}, None
+    for line in cluster.run("host1", ["qstat", "-xf", job_id], timeout=30).stdout.splitlines():
+        if line.startswith("    ") and " = " in line:
+            name, value = line.strip().split(" = ", 1)
+            fields[name] = value
+        elif name and line.startswith("\t"):
+            fields[name] += line.strip()
+    return fields
+
+
+def daemon_log(cluster, host: str, daemon: str) -> str:
+    """What `daemon` (mom, server) on `host` logged today, read from the host's PBS_HOME."""
+    return "".join(p.read_text(errors="replace") for p in sorted((cluster.complex_hosts.state / "home" / host / f"{daemon}_logs").glob("*")))
+
+
+@pytest.fixture
+def powered_off(openpbs_on_hosts):
+    """Compute hosts a test powers off: powered on again (free in OpenPBS) after it, for the next test."""
+    hosts: list[str] = []
+    yield hosts
+    for name in hosts:
+        openpbs_on_hosts.power_on(name)
+
+
+def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_by_the_server_and_it_ends_bitwise(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """Node 1's host (a sister MoM, not the mother superior) powers off mid-training: pbs_comm
+    loses it, the server marks it down, and the mother superior, past $max_poll_downtime without
+    it, kills the whole job with SIGKILL (exit status -14, JOB_EXEC_RERUN_SIS_FAIL: no signal the
+    script could trap first); the server requeues the rerunnable job (-r y) and runs it again on
+    the free nodes, host4 in place of the lost one, and the job resumes from its newest periodic
+    checkpoint. requeue.hang_seconds is long, so that what OpenPBS does is seen, not jobgen's own
+    hang supervisor (60 s here by default), which would stop the job first and submit a
+    continuation pinned away from the silent node. Prints the figures (docs/exit-codes.md)."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "power-off", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job["requeue"]["hang_seconds"] = 600
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+    powered_off.append(sister)
+    off_at = cluster.power_off(sister)
+    down_at = killed_at = rerun_at = None
+    deadline = time.time() + 300
+    while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
+        now = time.time()
+        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {sister} powered off: {fields}"
+        if down_at is None and "down" in cluster.node_state(sister):
+            down_at = now
+        if killed_at is None and fields.get("Exit_status") == "-14":
+            killed_at = now
+        if rerun_at is None and fields.get("run_count") == "2" and fields.get("job_state") == "R":
+            rerun_at = now
+        time.sleep(0.5)
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
+    assert fields["exec_host"] == f"{mother}/0+host4/0" and sister != "host4", fields["exec_host"]
+    mom = daemon_log(cluster, mother, "mom")
+    assert f"{job_id};im_eof, lost communication with {sister} for > 10 secs, killing job now" in mom, mom[-3000:]
+    assert f"{job_id};node EOF 1 ({sister})" in mom, mom[-3000:]
+    server = daemon_log(cluster, "host1", "server")
+    assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
+    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
+                                   "--json"])
+    assert status.returncode == 0, status.stderr
+    first, second = json.loads(status.stdout)["segments"]
+    # SIGKILL: the batch script recorded no end of its segment; the rerun found it so.
+    assert (first["outcome"], first["restart"], first["last_step"] >= SAVE_INTERVAL + 1) == ("killed by the scheduler", 0, True), first
+    assert (second["outcome"], second["restart"], second["first_step"]) == ("completed", 1, SAVE_INTERVAL), second
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == SAVE_INTERVAL + 1 and m["time"] > off_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
+    print(f"OpenPBS, a sister powered off at step {reached}: {sister} down in pbsnodes {down_at - off_at:.0f} s after, "
+          f"the job killed (-14) by the mother superior {killed_at - off_at:.0f} s after, rerun on {mother}+host4 "
+          f"{rerun_at - off_at:.0f} s after, first new step {first_new_step - off_at:.0f} s after; "
+          f"{len(steps) - MAX_STEPS} step(s) trained again (from step {SAVE_INTERVAL})")
+

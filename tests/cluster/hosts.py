@@ -374,13 +374,15 @@ def server_hosts(system: str, count: int, tag: str) -> Iterator[ServerHosts]:
 
 
 def assert_probe_met_at_node_0(run_dir: Path, cluster) -> None:
-    """What jobgen-probe's ranks of a 2-node, 2-rank-per-node job on host2 and host3 of `cluster`
+    """What jobgen-probe's ranks of a 2-node, 2-rank-per-node job on two compute hosts of `cluster`
     (a PBS complex of these hosts) recorded: they met at node 0's name over the real interface,
     and that name, Debian's 127.0.1.1 on node 0, is node 0's own address on the other node."""
     records = [json.loads(p.read_text()) for p in sorted((run_dir / "probe").glob("rank-*.json"))]
     assert len(records) == 4, sorted(p.name for p in run_dir.rglob("*"))
     first = records[0]["hostname"]  # node 0, the rendezvous
-    second = ({"host2", "host3"} - {first}).pop()
+    second = records[2]["hostname"]  # node 1: any other compute host of the complex
+    compute = {host.name for host in cluster.hosts[1:]}
+    assert first in compute and second in compute - {first}, (first, second)
     assert [(r["RANK"], r["NODE_RANK"], r["hostname"], r["MASTER_ADDR"], r["GLOO_SOCKET_IFNAME"], r["all_reduce_sum"])
             for r in records] == [("0", "0", first, first, REAL_INTERFACE, 10), ("1", "0", first, first, REAL_INTERFACE, 10),
                                   ("2", "1", second, first, REAL_INTERFACE, 10), ("3", "1", second, first, REAL_INTERFACE, 10)]
