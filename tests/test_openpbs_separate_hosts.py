@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.cluster.hosts import assert_probe_met_at_node_0
 from tests.helpers import assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
-from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for_step  # noqa: F401
+from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for, wait_for_step  # noqa: F401
 
 
 def submit(cluster, job: dict) -> tuple[str, Path]:
@@ -163,3 +164,61 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
           f"{rerun_at - off_at:.0f} s after, first new step {first_new_step - off_at:.0f} s after; "
           f"{len(steps) - MAX_STEPS} step(s) trained again (from step {SAVE_INTERVAL})")
 
+
+
+def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job_which_tolerates_it(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 1 on host4; node 1's host powers off mid-training. jobgen asks for
+    `tolerate_node_failures=all` for a job with spares, so the mother superior does not kill the
+    job when it loses the sister: jobgen's hang supervisor (requeue.hang_seconds 20 s here, 60 s
+    at least by default) stops the stuck segment naming the silent node, and the batch script
+    restarts at once on node 0 and the spare, in the same job (run_count 1). Prints the figures."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "power-off-spare", setup=[], step_delay=2, resources={"spare_nodes": 1})
+    job["environment"]["secrets"] = []
+    job["requeue"]["hang_seconds"] = 20
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    # Node 1's supervisor publishes its ranks' phase every 10 s: until it has published "training",
+    # node 0's supervisor judges the node by the start-up bound (900 s) and a node lost then hangs
+    # the job that long (seen here once: powered off 9 s after its last summary, still "start-up").
+    heartbeat = run_dir / "heartbeat" / "node-1.json"
+    wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(), "node 1 training in its heartbeat", 60)
+    fields = qstat_fields(cluster, job_id)
+    assert fields["tolerate_node_failures"] == "all", fields
+    mother, sister, spare = [part.split("/")[0] for part in fields["exec_host"].split("+")]
+    powered_off.append(sister)
+    off_at = cluster.power_off(sister)
+    down_at = None
+    deadline = time.time() + 300
+    while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
+        now = time.time()
+        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {sister} powered off: {fields}"
+        if down_at is None and "down" in cluster.node_state(sister):
+            down_at = now
+        time.sleep(0.5)
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), fields
+    mom = daemon_log(cluster, mother, "mom")
+    assert f"{job_id};im_eof, lost communication with {sister}" not in mom, mom[-3000:]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: job {job_id} (restart 0) on {mother} {sister} (spare: {spare});" in log, log
+    assert "jobgen: hung: no progress for " in log and f"node {sister} (rank 1" in log, log
+    assert f"jobgen: restarting inside this allocation without node(s) {sister} on 2 node(s)" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in log, log
+    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
+                                   "--json"])
+    assert status.returncode == 0, status.stderr
+    first, second = json.loads(status.stdout)["segments"]
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("hung", [sister], "completed", 1), (first, second)
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
+    down = f"{down_at - off_at:.0f} s after" if down_at else "not yet when the job ended"
+    restarted = datetime.fromisoformat(second["started_at"].replace("Z", "+00:00")).timestamp()
+    print(f"OpenPBS, spare nodes, tolerate_node_failures=all: a sister powered off at step {reached}: {sister} down in "
+          f"pbsnodes {down}; the job not killed, restarted on {mother}+{spare} inside it {restarted - off_at:.0f} s after, "
+          f"first new step {first_new_step - off_at:.0f} s after; {len(steps) - MAX_STEPS} step(s) trained again "
+          f"(from step {second['first_step']})")

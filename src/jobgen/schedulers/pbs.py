@@ -48,6 +48,7 @@ class PbsPro(Scheduler):
         "-q": "set resources.partition instead",
         "-A": "set resources.account instead",
         "-r": "set requeue.enabled instead",
+        "-W tolerate_node_failures": "remove it: jobgen sets it to all for a job with resources.spare_nodes",
         "-j": "remove it: jobgen joins stdout and stderr in one batch log",
         "-v": "name the variables in environment.secrets instead",
     }
@@ -86,6 +87,12 @@ class PbsPro(Scheduler):
         if res.account:
             options.append(f"-A {res.account}")
         options.append("-r y" if job.requeue.enabled else "-r n")
+        if res.spare_nodes:
+            # A spare is there to take a failed node's place inside the job, but a mother superior
+            # that loses a sister MoM (its host down) kills the whole job after max_poll_downtime
+            # (OpenPBS, src/resmom/mom_comm.c) unless the job tolerates node failures (OpenPBS 19
+            # and later): the batch script then restarts on the spare (docs/exit-codes.md).
+            options.append("-W tolerate_node_failures=all")
         options.append("-j oe")
         if job.environment.secrets:
             options.append(f"-v {','.join(job.environment.secrets)}")
