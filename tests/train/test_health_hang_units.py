@@ -16,7 +16,7 @@ from jobgen.rundir.files import rank_log
 from jobgen.train import health
 from jobgen.train.console import open_rank_log
 from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STACK_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
-                                    hang_bound, node_silent, process_state, stopped_first)
+                                    hang_bound, node_silent, process_state, segment_phase, stopped_first)
 
 
 def test_a_node_off_the_majority_is_named_with_what_the_others_have() -> None:
@@ -328,3 +328,11 @@ def test_only_nodes_0_and_1_read_every_summary_and_nodes_2_and_3_take_over_when_
     assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1]
     reader_clock[0] += node_silent(512) + 1
     assert [k for k, s in nodes.items() if s.aggregates()] == [0, 1, 2, 3]
+
+
+def test_the_start_up_bound_holds_only_while_no_rank_has_trained() -> None:
+    # A node powered off before its summary said "training" (seen on OpenPBS): the others train,
+    # and its last word, "start-up", must not hold the job to the 15-minute start-up bound.
+    assert segment_phase({"start-up"}) == "start-up"
+    assert segment_phase({"start-up", "training"}) == "training"
+    assert segment_phase({"training", "saving", "start-up"}) == "saving"

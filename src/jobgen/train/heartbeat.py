@@ -162,6 +162,17 @@ def hang_bound(step_seconds: list[float], phase: str, override: Optional[float] 
     return training
 
 
+def segment_phase(phases: set[str]) -> str:
+    """The phase whose bound applies, from every rank's as last read: saving if any saves;
+    start-up only while no rank has trained. A first step is a collective of all ranks, so one
+    rank training means every rank started; a node that still says "start-up" said so in a summary
+    published before its first step (every 10 s), and a node lost just then would otherwise hold
+    the job to the start-up bound (15 min) while the others wait on it."""
+    if "saving" in phases:
+        return "saving"
+    return "training" if "training" in phases else "start-up"
+
+
 def stopped_first(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ranks that stopped first: those not alive (stopped, gone, stuck) when some are; else
     those furthest behind (lowest step; computed but not yet waiting in the collective counts as
@@ -388,7 +399,7 @@ class Supervisor:
                     step_seconds.append(now - top_at)
                 top_step, top_at = step, now
             phases = {r["phase"] for r in ranks}
-            phase = "saving" if "saving" in phases else ("start-up" if "start-up" in phases else "training")
+            phase = segment_phase(phases)
             if "saving" in phases and saving_since is None:
                 saving_since = now
             elif "saving" not in phases and saving_since is not None:
