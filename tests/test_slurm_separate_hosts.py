@@ -201,16 +201,17 @@ def powered_off(slurm_on_hosts):
         slurm_on_hosts.power_on(name)
 
 
-def test_jobgen_slurm_a_powered_off_worker_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
-        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
-    cluster = slurm_on_hosts
+def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault) -> tuple[Path, dict, dict, float]:
+    """A 2-node job with a spare whose node 1 (cn002; cn001 runs the batch script, cn003 is the
+    spare) meets `fault(cluster, "cn002")` at step 5: the segment ends `node_failed` naming it, the
+    job restarts on cn001 cn003 and ends as the uninterrupted run. Returns the run directory, both
+    segments and the time of the fault."""
     job = training(cluster)
     job["resources"]["spare_nodes"] = 1
-    job_id, run_dir = submit(cluster, "power-off-worker", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    job_id, run_dir = submit(cluster, name, job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
     wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
     assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
-    powered_off.append("cn002")
-    failed_at = cluster.power_off("cn002")  # node 1; cn001 runs the batch script, cn003 is the spare
+    failed_at = fault(cluster, "cn002")
     assert ended(cluster, job_id, 600) == "COMPLETED"
     first, second = segments(run_dir)
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
@@ -219,6 +220,14 @@ def test_jobgen_slurm_a_powered_off_worker_is_replaced_by_the_spare_and_the_run_
     assert "the scheduler says they are gone" in log, log
     assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
+    return run_dir, first, second, failed_at
+
+
+def test_jobgen_slurm_a_powered_off_worker_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    powered_off.append("cn002")
+    run_dir, first, second, failed_at = worker_replaced_by_the_spare(
+        slurm_on_hosts, "power-off-worker", reference, lambda cluster, node: cluster.power_off(node))
     print(f"power-off of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}")
 
 
@@ -324,23 +333,12 @@ def training_processes_on(cluster, name: str) -> list[int]:
 def test_jobgen_slurm_a_partitioned_worker_is_replaced_by_the_spare_and_its_processes_end_when_it_is_back(
         slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
     # A lost cable: the node's processes live on, cut off (its ranks blocked in a collective, its
-    # mount gone dead), while the job goes on without it. When the link comes back, Slurm, which cut
-    # the node out of the job, ends what is left of the old step there; nothing of it reaches the run.
+    # mount gone dead), while the job goes on without it. When the link comes back, what is left of
+    # the old step there ends; nothing of it reaches the run.
     cluster = slurm_on_hosts
-    job = training(cluster)
-    job["resources"]["spare_nodes"] = 1
-    job_id, run_dir = submit(cluster, "partition-worker", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
-    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
-    assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
     powered_off.append("cn002")  # powered on afresh after the test, whatever is left of it
-    failed_at = cluster.partition("cn002")
-    assert ended(cluster, job_id, 600) == "COMPLETED"
-    first, second = segments(run_dir)
-    log = (run_dir / "logs" / f"{job_id}.out").read_text()
-    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
-    assert f"jobgen: job {job_id} (restart 1) on cn001 cn003;" in log, log
-    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
-    assert_bitwise_equal(run_dir, reference)
+    run_dir, first, second, failed_at = worker_replaced_by_the_spare(
+        cluster, "partition-worker", reference, lambda cluster, node: cluster.partition(node))
     stale = training_processes_on(cluster, "cn002")
     reconnected_at = time.time()
     separate.link_up(cluster.node("cn002").host)
@@ -376,3 +374,27 @@ def test_jobgen_slurm_a_worker_whose_slurmd_dies_alone_leaves_the_run_bitwise_eq
     print(f"slurmd of a worker killed alone: DOWN in Slurm {down_after:.0f} s after; segments "
           f"{[(e['outcome'], e.get('nodes')) for e in ends]}; "
           + (restart_figures(run_dir, ends[0], ends[1], failed_at) if len(ends) > 1 else "no restart"))
+
+
+def test_jobgen_slurm_a_worker_powered_off_during_start_up_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
+        slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # Before the rendezvous: node 0's ranks wait for a peer that will never come, and nothing has
+    # trained yet. The start-up has a bound of its own (the hang supervisor's), then the spare.
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["spare_nodes"] = 1
+    job_id, run_dir = submit(cluster, "power-off-at-start", job)
+    log = run_dir / "logs" / f"{job_id}.out"
+    wait_for(lambda: log.exists() and f"jobgen: job {job_id} (restart 0) on cn001 cn002" in log.read_text(), "the start", 120)
+    powered_off.append("cn002")
+    failed_at = cluster.power_off("cn002")
+    assert not trained_steps(run_dir), "a step was trained before the power-off"
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    text = log.read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), text
+    assert f"jobgen: job {job_id} (restart 1) on cn001 cn003;" in text, text
+    assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
+    assert_bitwise_equal(run_dir, reference)
+    first_step = min(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines())
+    print(f"power-off of a worker during start-up, spare in the allocation: first step {first_step - failed_at:.0f} s after the failure")
