@@ -483,6 +483,10 @@ def _exists_on_server(path: str) -> bool:
         return True
     except PermissionError:  # a folder we may not write: the cached answer (the build says why it cannot)
         return os.path.lexists(path)
+    except FileNotFoundError:
+        # Seen through sshfs under load while another node renamed its store onto this name: the
+        # server had no answer for a moment. Not there as far as this look can tell; the caller asks again.
+        return False
     try:
         os.rmdir(path)
     except OSError:  # another preparer's folder was renamed onto the empty one meanwhile
