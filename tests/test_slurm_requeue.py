@@ -104,8 +104,27 @@ def release_when_requeued(job_id: str, restarts: int) -> None:
 
 
 def wait_until_done(job_id: str, timeout: float = 300) -> str:
+    """The job's end state. Unless it is COMPLETED, what a person would look at is printed, which
+    pytest shows with a failed test: the job as Slurm has it, its accounting and its batch log."""
     done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
-    return wait_for(lambda: job_fields(job_id).get("JobState") in done and job_fields(job_id)["JobState"], f"job {job_id} to end", timeout)
+    try:
+        state = wait_for(lambda: job_fields(job_id).get("JobState") in done and job_fields(job_id)["JobState"],
+                         f"job {job_id} to end", timeout)
+    except AssertionError:
+        print(what_slurm_says(job_id))
+        raise
+    if state != "COMPLETED":
+        print(what_slurm_says(job_id))
+    return state
+
+
+def what_slurm_says(job_id: str) -> str:
+    shown = [subprocess.run(argv, capture_output=True, text=True).stdout
+             for argv in (["scontrol", "show", "job", job_id], ["sacct", "-j", job_id, "-o", "JobID,State,ExitCode,NodeList,Start,End"],
+                          ["sinfo", "-N", "-l"])]
+    log = Path(job_fields(job_id).get("StdOut", "/nonexistent"))
+    shown.append(f"--- {log}\n{log.read_text()[-4000:]}" if log.is_file() else f"--- no batch log at {log}")
+    return "\n".join(shown)
 
 
 def preempt_everything() -> None:
