@@ -201,15 +201,17 @@ def powered_off(slurm_on_hosts):
         slurm_on_hosts.power_on(name)
 
 
-def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault) -> tuple[Path, dict, dict, float]:
+def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault, env: dict[str, str] | None = None,
+                                 when=("step 5", lambda run_dir: any(step >= 5 for step in trained_steps(run_dir)))
+                                 ) -> tuple[Path, dict, dict, float]:
     """A 2-node job with a spare whose node 1 (cn002; cn001 runs the batch script, cn003 is the
-    spare) meets `fault(cluster, "cn002")` at step 5: the segment ends `node_failed` naming it, the
-    job restarts on cn001 cn003 and ends as the uninterrupted run. Returns the run directory, both
-    segments and the time of the fault."""
+    spare) meets `fault(cluster, "cn002")` at `when` (what, a test of the run directory): the
+    segment ends `node_failed` naming it, the job restarts on cn001 cn003 and ends as the
+    uninterrupted run. Returns the run directory, both segments and the time of the fault."""
     job = training(cluster)
     job["resources"]["spare_nodes"] = 1
-    job_id, run_dir = submit(cluster, name, job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
-    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    job_id, run_dir = submit(cluster, name, job, env={"JOBGEN_DEBUG_STEP_DELAY": "2", **(env or {})})
+    wait_for(lambda: when[1](run_dir), when[0], 300, every=0.2)
     assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
     failed_at = fault(cluster, "cn002")
     assert ended(cluster, job_id, 600) == "COMPLETED"
@@ -223,12 +225,20 @@ def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault) -> 
     return run_dir, first, second, failed_at
 
 
-def test_jobgen_slurm_a_powered_off_worker_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
+def test_jobgen_slurm_a_worker_powered_off_while_it_writes_a_checkpoint_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
         slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
+    # Node 1 goes down with its part of step 8's checkpoint unwritten (its write held 5 s; the
+    # default asynchronous save, so training goes on beside it): the half-written checkpoint is not
+    # taken, the restart resumes from step 4's and trains steps 5-8 again.
     powered_off.append("cn002")
+    in_the_write = ("node 1 inside its write of step 8's checkpoint",
+                    lambda run_dir: (run_dir / "output" / "debug-save-pause-write-rank1").exists())
     run_dir, first, second, failed_at = worker_replaced_by_the_spare(
-        slurm_on_hosts, "power-off-worker", reference, lambda cluster, node: cluster.power_off(node))
-    print(f"power-off of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}")
+        slurm_on_hosts, "power-off-in-save", reference, lambda cluster, node: cluster.power_off(node),
+        env={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"}, when=in_the_write)
+    assert second["first_step"] == 4, second
+    print(f"power-off of a worker in its checkpoint write, spare in the allocation: "
+          f"{restart_figures(run_dir, first, second, failed_at)}")
 
 
 def released_when_requeued(cluster, job_id: str, timeout: float = 300) -> None:
