@@ -237,8 +237,11 @@ def test_jobgen_slurm_a_worker_powered_off_while_it_writes_a_checkpoint_is_repla
         slurm_on_hosts, "power-off-in-save", reference, lambda cluster, node: cluster.power_off(node),
         env={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"}, when=in_the_write)
     assert second["first_step"] == 4, second
+    status = slurm_on_hosts.on_login([sys.executable, "-m", "jobgen.cli", "status", "runs/power-off-in-save"]).stdout
+    cost = next((line.strip() for line in status.splitlines() if "after node_failed (cn002)" in line), status)
+    assert cost.startswith("restart 1 of job ") and ": 4 step(s) trained again (5-8); first new step after " in cost, cost
     print(f"power-off of a worker in its checkpoint write, spare in the allocation: "
-          f"{restart_figures(run_dir, first, second, failed_at)}")
+          f"{restart_figures(run_dir, first, second, failed_at)}; jobgen status: {cost}")
 
 
 def released_when_requeued(cluster, job_id: str, timeout: float = 300) -> None:

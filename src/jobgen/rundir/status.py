@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.errors import JobgenError
+from jobgen.rundir import cost
 from jobgen.rundir import files as runfiles
 from jobgen.rundir.outcome import attach_messages, format_lines, summary
 from jobgen.rundir.run import RunDir, find_run
@@ -33,7 +34,15 @@ def collect(target: str) -> dict[str, Any]:
         "goodput": None if outcome["probe"] or outcome.get("own_command") else goodput(segments),
         **outcome,
         "excluded_nodes": excluded_nodes(run.path),
+        "interruptions": _interruptions(segments, run.path),
     }
+
+
+def _interruptions(segments: list[dict[str, Any]], run_path: Path) -> list[dict[str, Any]]:
+    from jobgen.rundir.metrics import metrics
+
+    # metrics.jsonl, many megabytes in a long run, is read only when there was an interruption.
+    return cost.interruptions(segments, metrics(run_path)) if len(segments) > 1 else []
 
 
 def _scheduler_state(latest: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -260,6 +269,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("no segment has started yet")
     if report.get("excluded_nodes"):
         lines.append(f"excluded nodes (after failures attributed to them): {', '.join(report['excluded_nodes'])}")
+    if interrupted := cost.format_lines(report.get("interruptions") or []):
+        lines.extend(["", *interrupted])
     if outcome := format_lines(report):
         lines.extend(["", *outcome])
     if report["goodput"] is not None:

@@ -1,0 +1,66 @@
+"""What each interruption of a run cost: the steps trained again and the time without new
+training, from the paired segments (jobgen.rundir.status) and the trainer's per-step records
+(metrics.jsonl: step, time, job_id, restart).
+
+Times are measured from the last step the interrupted segment logged, not from the failure itself,
+which no record holds: a power-off is known to the scheduler, not to the run directory. So each
+figure is an upper bound of the real one by at most one step's time."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def interruptions(segments: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per segment that took over from an ended one and resumed from a known step."""
+    times = _step_times(records)
+    found = []
+    for before, after in zip(segments, segments[1:]):
+        if before["last_step"] is None or after["first_step"] is None:
+            continue
+        logged_before = times.get(_key(before), {})
+        logged_after = times.get(_key(after), {})
+        last_seen = max(logged_before.values(), default=None)
+        found.append({
+            "job_id": after["job_id"], "restart": after["restart"], "after": before["outcome"], "nodes": before.get("nodes") or [],
+            "reached": before["last_step"], "resumed_from": after["first_step"],
+            "steps_trained_again": max(0, before["last_step"] - after["first_step"]),
+            "seconds_to_first_new_step": _since(last_seen, logged_after.get(after["first_step"] + 1)),
+            "seconds_to_where_it_was": _since(last_seen, logged_after.get(max(before["last_step"], after["first_step"]) + 1)),
+        })
+    return found
+
+
+def format_lines(found: list[dict[str, Any]]) -> list[str]:
+    if not found:
+        return []
+    lines = ["what each interruption cost (seconds from the last step logged before it):"]
+    for cost in found:
+        cause = cost["after"] + (f" ({' '.join(cost['nodes'])})" if cost["nodes"] else "")
+        again = cost["steps_trained_again"]
+        steps = f"{again} step(s) trained again ({cost['resumed_from'] + 1}-{cost['reached']})" if again else "no step trained again"
+        seconds = []
+        if cost["seconds_to_first_new_step"] is not None:
+            seconds.append(f"first new step after {cost['seconds_to_first_new_step']:.0f} s")
+        if again and cost["seconds_to_where_it_was"] is not None:
+            seconds.append(f"past step {cost['reached']} after {cost['seconds_to_where_it_was']:.0f} s")
+        lines.append(f"  restart {cost['restart']} of job {cost['job_id']}, after {cause}: {'; '.join([steps, *seconds])}")
+    return lines
+
+
+def _key(segment: dict[str, Any]) -> tuple[str, int]:
+    return str(segment["job_id"]), int(segment["restart"])
+
+
+def _step_times(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[int, float]]:
+    """Each segment's steps and the time each was first logged (an evaluation may log a step again)."""
+    times: dict[tuple[str, int], dict[int, float]] = {}
+    for record in records:
+        step, at, restart = record.get("step"), record.get("time"), record.get("restart")
+        if isinstance(step, int) and isinstance(at, (int, float)) and record.get("job_id") is not None and isinstance(restart, int):
+            times.setdefault((str(record["job_id"]), restart), {}).setdefault(step, float(at))
+    return times
+
+
+def _since(start: Optional[float], end: Optional[float]) -> Optional[float]:
+    return None if start is None or end is None else round(end - start, 1)
