@@ -84,6 +84,19 @@ def test_python_values_and_paths_are_taken_as_a_job_file_gives_them(tmp_path: Pa
         jobgen.Job.from_values({}, overrides={"training.seed": object()})
 
 
+def test_python_values_that_drop_a_site_profiles_list_items_say_so_as_a_job_file_does(tmp_path: Path) -> None:
+    profile = tmp_path / "testsite.yaml"
+    profile.write_text(json.dumps({"description": "A test site.", "scheduler": "slurm",
+                                   "defaults": {"environment": {"modules": ["cuda/12.4", "nccl/2.21"]}}}))
+    values = {"resources": {"nodes": 2, "time_limit": "01:00:00"}, "launch": {"command": ["python", "train.py"], "procs_per_node": 1}}
+    job = jobgen.Job.from_values({**values, "environment": {"modules": ["cuda/12.4", "gcc/13"]}}, site=str(profile))
+    assert [line for line in job.warnings if "replaces" in line] == [
+        f"environment.modules in <values> replaces the site profile's list ({profile}), dropping nccl/2.21: lists are "
+        "not merged; add it to environment.modules in <values> to keep it"]
+    kept = jobgen.Job.from_values({**values, "environment": {"modules": ["nccl/2.21", "cuda/12.4"]}}, site=str(profile))
+    assert not [line for line in kept.warnings if "replaces" in line]
+
+
 def test_no_scheduler_is_one_line_saying_what_to_pass() -> None:
     job = jobgen.Job.from_values({"launch": {"procs_per_node": 1}, "training": {"model": "m", "data": "d"}}, site="none")
     with pytest.raises(jobgen.InvalidJob, match=r"^no scheduler: pass scheduler= \(.*slurm.*\), or use a site profile"):

@@ -17,10 +17,9 @@ asked (`jobgen.Job` loads this module on first use, so `import jobgen` stays che
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -75,7 +74,7 @@ class Job:
         """A job from Python values, with the keys a job file has:
         `{"name": "demo", "training": {"model": "...", "data": "data.jsonl"}}`. `site` and
         `overrides` as for `load`; `source` begins each error line."""
-        from jobgen.job.layers import apply_override, merge, validated
+        from jobgen.job.layers import layer_values, validated
         from jobgen.job.sites import chosen_site, load_site
 
         if not isinstance(values, Mapping):
@@ -83,10 +82,9 @@ class Job:
                              f"{type(values).__name__}")
         assignments = _assignments(overrides)
         site_profile = load_site(chosen_site(site))
-        layered = merge(copy.deepcopy(site_profile.defaults), _plain(values))
-        for assignment in assignments:
-            apply_override(layered, assignment)
-        return cls._checked(validated(layered, site_profile, source, assignments), source)
+        layered, replaced = layer_values(_plain(values), site_profile, source, assignments)
+        resolved = validated(layered, site_profile, source, assignments)
+        return cls._checked(replace(resolved, warnings=replaced + resolved.warnings), source)
 
     @classmethod
     def _checked(cls, resolved: "ResolvedJob", source: str) -> "Job":

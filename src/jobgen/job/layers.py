@@ -45,11 +45,18 @@ def layered_job(config: Path, site_name: Optional[str] = None, overrides: tuple[
 def _layers(config: Path, site_name: Optional[str], overrides: tuple[str, ...]) -> tuple[dict[str, Any], SiteProfile, list[str]]:
     """layered_job's, and a warning for each list of the site profile that the job file replaced."""
     site = load_site(site_name)
+    layered, replaced = layer_values(_read_yaml(config), site, str(config), overrides)
+    return layered, site, replaced
+
+
+def layer_values(values: dict[str, Any], site: SiteProfile, source: str, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+    """A job's values (a job file's, or the Python API's) over the site profile's, then the
+    overrides; and a warning for each list of the site profile that `values` replaced."""
     replaced: list[tuple[str, list[Any], Any]] = []
-    layered = merge(copy.deepcopy(site.defaults), _read_yaml(config), replaced=replaced)
+    layered = merge(copy.deepcopy(site.defaults), values, replaced=replaced)
     for override in overrides:
         apply_override(layered, override)
-    return layered, site, [replaced_list_warning(key, dropped, str(config), site) for key, dropped, _ in replaced]
+    return layered, [replaced_list_warning(key, dropped, source, site) for key, dropped, _ in replaced]
 
 
 def replaced_list_warning(key: str, dropped: list[Any], source: str, site: SiteProfile) -> str:
