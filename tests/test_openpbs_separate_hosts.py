@@ -222,3 +222,53 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
           f"pbsnodes {down}; the job not killed, restarted on {mother}+{spare} inside it {restarted - off_at:.0f} s after, "
           f"first new step {first_new_step - off_at:.0f} s after; {len(steps) - MAX_STEPS} step(s) trained again "
           f"(from step {second['first_step']})")
+
+
+def test_jobgen_openpbs_a_mother_superior_that_powers_off_gets_the_job_requeued_by_the_server_and_it_ends_bitwise(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """Node 0's host (the mother superior, which runs the batch script) powers off mid-training, no
+    spares: the batch script is gone with it, and node 1's ranks wait on the silent peer until its
+    hang supervisor ends them. The server itself requeues a job whose mother superior has been
+    down for `node_fail_requeue` seconds (310 by default; an admin's `qmgr -c "set server
+    node_fail_requeue = N"`, 20 here) and runs it again on free nodes; the job resumes from its
+    newest periodic checkpoint. Prints the figures (docs/exit-codes.md)."""
+    cluster = openpbs_on_hosts
+    assert cluster.run("host1", ["qmgr", "-c", "set server node_fail_requeue = 20"]).returncode == 0
+    try:
+        job = lora_job(tiny, "power-off-mother", setup=[], step_delay=2)
+        job["environment"]["secrets"] = []
+        job_id, run_dir = submit(cluster, job)
+        wait_for_step(run_dir, SAVE_INTERVAL + 1)
+        mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+        powered_off.append(mother)
+        off_at = cluster.power_off(mother)
+        rerun_at = None
+        deadline = time.time() + 300
+        while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
+            now = time.time()
+            assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {mother} powered off: {fields}"
+            if rerun_at is None and fields.get("run_count") == "2":
+                rerun_at = now
+            time.sleep(0.5)
+    finally:
+        cluster.run("host1", ["qmgr", "-c", "unset server node_fail_requeue"])
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
+    assert mother not in fields["exec_host"], fields["exec_host"]
+    server = daemon_log(cluster, "host1", "server")
+    assert f"{job_id};Job requeued, execution node {mother} down" in server, server[-3000:]
+    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
+                                   "--json"])
+    assert status.returncode == 0, status.stderr
+    first, second = json.loads(status.stdout)["segments"]
+    # The batch script went with its host: no end of its segment; the rerun found it so.
+    assert (first["outcome"], first["restart"]) == ("killed by the scheduler", 0), first
+    assert (second["outcome"], second["restart"], second["first_step"]) == ("completed", 1, SAVE_INTERVAL), second
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == SAVE_INTERVAL + 1 and m["time"] > off_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
+    print(f"OpenPBS, the mother superior powered off at step {reached} (node_fail_requeue 20): rerun on {fields['exec_host']} "
+          f"{rerun_at - off_at:.0f} s after, first new step {first_new_step - off_at:.0f} s after; "
+          f"{len(steps) - MAX_STEPS} step(s) trained again (from step {SAVE_INTERVAL})")
