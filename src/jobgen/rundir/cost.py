@@ -49,7 +49,8 @@ def format_lines(found: list[dict[str, Any]]) -> list[str]:
 
 
 def _key(segment: dict[str, Any]) -> tuple[str, int]:
-    return str(segment["job_id"]), int(segment["restart"])
+    restart = str(segment.get("restart"))
+    return str(segment["job_id"]), int(restart) if restart.isdigit() else -1  # -1: matches no record
 
 
 def _step_times(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[int, float]]:
