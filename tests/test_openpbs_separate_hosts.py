@@ -108,6 +108,41 @@ def powered_off(openpbs_on_hosts):
         openpbs_on_hosts.power_on(name)
 
 
+def finished_after_power_off(cluster, job_id: str, host: str, off_at: float, marks: dict) -> tuple[dict[str, str], dict[str, float]]:
+    """The job's fields once it has finished (at most 300 s after `host` powered off at `off_at`),
+    and when each of `marks` (name: a test of the job's fields) first held."""
+    seen: dict[str, float] = {}
+    deadline = time.time() + 300
+    while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
+        now = time.time()
+        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {host} powered off: {fields}"
+        for name, holds in marks.items():
+            if name not in seen and holds(fields):
+                seen[name] = now
+        time.sleep(0.5)
+    return fields, seen
+
+
+def status_segments(cluster, run_dir: Path) -> list[dict]:
+    """`jobgen status --json`'s segments of the run, asked on the server host."""
+    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
+                                   "--json"])
+    assert status.returncode == 0, status.stderr
+    return json.loads(status.stdout)["segments"]
+
+
+def ended_as_the_reference(run_dir: Path, reference: dict, off_at: float, resumed_from: int) -> tuple[int, float, int]:
+    """Every step trained, the last one last, and the result bitwise the uninterrupted run's; the
+    step reached at the power-off, the seconds from it to the first new step, the steps trained again."""
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == resumed_from + 1 and m["time"] > off_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
+    return reached, first_new_step - off_at, len(steps) - MAX_STEPS
+
+
 def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_by_the_server_and_it_ends_bitwise(
         openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
     """Node 1's host (a sister MoM, not the mother superior) powers off mid-training: pbs_comm
@@ -127,18 +162,10 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
     mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
-    down_at = killed_at = rerun_at = None
-    deadline = time.time() + 300
-    while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
-        now = time.time()
-        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {sister} powered off: {fields}"
-        if down_at is None and "down" in cluster.node_state(sister):
-            down_at = now
-        if killed_at is None and fields.get("Exit_status") == "-14":
-            killed_at = now
-        if rerun_at is None and fields.get("run_count") == "2" and fields.get("job_state") == "R":
-            rerun_at = now
-        time.sleep(0.5)
+    fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {
+        "down": lambda fields: "down" in cluster.node_state(sister),
+        "killed": lambda fields: fields.get("Exit_status") == "-14",
+        "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
     assert fields["exec_host"] == f"{mother}/0+host4/0" and sister != "host4", fields["exec_host"]
     mom = daemon_log(cluster, mother, "mom")
@@ -146,24 +173,15 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
     assert f"{job_id};node EOF 1 ({sister})" in mom, mom[-3000:]
     server = daemon_log(cluster, "host1", "server")
     assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
-    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
-                                   "--json"])
-    assert status.returncode == 0, status.stderr
-    first, second = json.loads(status.stdout)["segments"]
+    first, second = status_segments(cluster, run_dir)
     # SIGKILL: the batch script recorded no end of its segment; the rerun found it so.
     assert (first["outcome"], first["restart"], first["last_step"] >= SAVE_INTERVAL + 1) == ("killed by the scheduler", 0, True), first
     assert (second["outcome"], second["restart"], second["first_step"]) == ("completed", 1, SAVE_INTERVAL), second
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == SAVE_INTERVAL + 1 and m["time"] > off_at)
-    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
-    print(f"OpenPBS, a sister powered off at step {reached}: {sister} down in pbsnodes {down_at - off_at:.0f} s after, "
-          f"the job killed (-14) by the mother superior {killed_at - off_at:.0f} s after, rerun on {mother}+host4 "
-          f"{rerun_at - off_at:.0f} s after, first new step {first_new_step - off_at:.0f} s after; "
-          f"{len(steps) - MAX_STEPS} step(s) trained again (from step {SAVE_INTERVAL})")
-
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, SAVE_INTERVAL)
+    print(f"OpenPBS, a sister powered off at step {reached}: {sister} down in pbsnodes {at['down'] - off_at:.0f} s after, "
+          f"the job killed (-14) by the mother superior {at['killed'] - off_at:.0f} s after, rerun on {mother}+host4 "
+          f"{at['rerun'] - off_at:.0f} s after, first new step {first_new_step:.0f} s after; "
+          f"{again} step(s) trained again (from step {SAVE_INTERVAL})")
 
 
 def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job_which_tolerates_it(
@@ -189,14 +207,7 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     mother, sister, spare = [part.split("/")[0] for part in fields["exec_host"].split("+")]
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
-    down_at = None
-    deadline = time.time() + 300
-    while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
-        now = time.time()
-        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {sister} powered off: {fields}"
-        if down_at is None and "down" in cluster.node_state(sister):
-            down_at = now
-        time.sleep(0.5)
+    fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), fields
     mom = daemon_log(cluster, mother, "mom")
     assert f"{job_id};im_eof, lost communication with {sister}" not in mom, mom[-3000:]
@@ -205,22 +216,14 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     assert "jobgen: hung: no progress for " in log and f"node {sister} (rank 1" in log, log
     assert f"jobgen: restarting inside this allocation without node(s) {sister} on 2 node(s)" in log, log
     assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in log, log
-    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
-                                   "--json"])
-    assert status.returncode == 0, status.stderr
-    first, second = json.loads(status.stdout)["segments"]
+    first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("hung", [sister], "completed", 1), (first, second)
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
-    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
-    down = f"{down_at - off_at:.0f} s after" if down_at else "not yet when the job ended"
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
+    down = f"{at['down'] - off_at:.0f} s after" if "down" in at else "not yet when the job ended"
     restarted = datetime.fromisoformat(second["started_at"].replace("Z", "+00:00")).timestamp()
     print(f"OpenPBS, spare nodes, tolerate_node_failures=all: a sister powered off at step {reached}: {sister} down in "
           f"pbsnodes {down}; the job not killed, restarted on {mother}+{spare} inside it {restarted - off_at:.0f} s after, "
-          f"first new step {first_new_step - off_at:.0f} s after; {len(steps) - MAX_STEPS} step(s) trained again "
+          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again "
           f"(from step {second['first_step']})")
 
 
@@ -242,33 +245,18 @@ def test_jobgen_openpbs_a_mother_superior_that_powers_off_gets_the_job_requeued_
         mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
         powered_off.append(mother)
         off_at = cluster.power_off(mother)
-        rerun_at = None
-        deadline = time.time() + 300
-        while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
-            now = time.time()
-            assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {mother} powered off: {fields}"
-            if rerun_at is None and fields.get("run_count") == "2":
-                rerun_at = now
-            time.sleep(0.5)
+        fields, at = finished_after_power_off(cluster, job_id, mother, off_at, {"rerun": lambda fields: fields.get("run_count") == "2"})
     finally:
         cluster.run("host1", ["qmgr", "-c", "unset server node_fail_requeue"])
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
     assert mother not in fields["exec_host"], fields["exec_host"]
     server = daemon_log(cluster, "host1", "server")
     assert f"{job_id};Job requeued, execution node {mother} down" in server, server[-3000:]
-    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
-                                   "--json"])
-    assert status.returncode == 0, status.stderr
-    first, second = json.loads(status.stdout)["segments"]
+    first, second = status_segments(cluster, run_dir)
     # The batch script went with its host: no end of its segment; the rerun found it so.
     assert (first["outcome"], first["restart"]) == ("killed by the scheduler", 0), first
     assert (second["outcome"], second["restart"], second["first_step"]) == ("completed", 1, SAVE_INTERVAL), second
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == SAVE_INTERVAL + 1 and m["time"] > off_at)
-    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, SAVE_INTERVAL)
     print(f"OpenPBS, the mother superior powered off at step {reached} (node_fail_requeue 20): rerun on {fields['exec_host']} "
-          f"{rerun_at - off_at:.0f} s after, first new step {first_new_step - off_at:.0f} s after; "
-          f"{len(steps) - MAX_STEPS} step(s) trained again (from step {SAVE_INTERVAL})")
+          f"{at['rerun'] - off_at:.0f} s after, first new step {first_new_step:.0f} s after; "
+          f"{again} step(s) trained again (from step {SAVE_INTERVAL})")
