@@ -3,6 +3,7 @@ no cluster needed (tests/test_slurm_health_hang.py runs both on one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,8 +16,9 @@ from pathlib import Path
 from jobgen.rundir.files import rank_log
 from jobgen.train import health
 from jobgen.train.console import open_rank_log
-from jobgen.train.heartbeat import (FLOOR_SECONDS, SAVE_SECONDS, STACK_SECONDS, STARTUP_SECONDS, Supervisor, describe_hang,
-                                    hang_bound, node_silent, process_state, segment_phase, stopped_first)
+from jobgen.train.heartbeat import (FLOOR_SECONDS, QUICK_FLOOR_SECONDS, REPORT_SECONDS, SAVE_SECONDS, STACK_SECONDS,
+                                    STARTUP_SECONDS, WARM_PAUSES, Supervisor, describe_hang, hang_bound, node_silent,
+                                    process_state, rank_phases, segment_phase, still_seconds, stopped_first)
 
 
 def test_a_node_off_the_majority_is_named_with_what_the_others_have() -> None:
@@ -80,6 +82,24 @@ def test_the_bound_follows_the_step_times_above_a_floor_and_is_longer_at_start_a
     assert hang_bound([20.0], "saving", save_seconds=[200.0]) == 600.0
     assert hang_bound([20.0], "saving", override=30, save_seconds=[2.0]) == 30  # set: saves are not slower
     assert hang_bound([20.0], "start-up", override=30) == STARTUP_SECONDS
+
+
+def test_in_steady_training_the_floor_is_10_s_and_evaluation_and_reporting_keep_their_own() -> None:
+    warm = [0.5] * WARM_PAUSES
+    assert hang_bound(warm[1:], "training") == FLOOR_SECONDS  # the step times not known yet
+    assert hang_bound(warm, "training") == QUICK_FLOOR_SECONDS == 10
+    assert hang_bound([*warm, 3.0], "training") == 15.0
+    assert hang_bound(warm, "evaluating") == FLOOR_SECONDS
+    assert hang_bound(warm, "reporting") == REPORT_SECONDS  # rank 0 calling a slow tracker server
+    assert hang_bound(warm, "reporting", override=20) == 20
+    assert segment_phase({"training", "evaluating 3"}) == "evaluating"
+    assert segment_phase({"evaluating 1"}) == "evaluating"  # before a resumed segment's first step
+    assert segment_phase({"training", "reporting"}) == "reporting"
+    # A checkpoint written in the background may slow the steps: they keep the floor meanwhile.
+    assert segment_phase(rank_phases([{"phase": "training", "writing": True}, {"phase": "training"}])) == "writing"
+    assert hang_bound(warm, "writing") == FLOOR_SECONDS
+    # A node reports its ranks still after twice its usual step, so steady training publishes no more.
+    assert still_seconds([]) == 2.0 and still_seconds([0.2] * 9) == 2.0 and still_seconds([4.0, 5.0, 30.0]) == 10.0
 
 
 def test_the_ranks_that_stopped_first_are_the_frozen_ones_else_those_behind() -> None:
@@ -168,6 +188,12 @@ def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any
     (run_dir / "logs").mkdir(parents=True)
     supervisors = {node: Supervisor(str(run_dir), "77", "0", node_rank=node, nnodes=6, override=4.0,
                                     local_dir=str(tmp_path / f"shm-{node}")) for node in (0, 5)}
+    (run_dir / "heartbeat").mkdir()
+    for node in (1, 2, 3, 4):  # healthy nodes, their ranks still in the collective: they have said so
+        (run_dir / "heartbeat" / f"node-{node}.json").write_text(json.dumps({
+            "job_id": "77", "restart": "0", "seq": 1, "stalled": True, "ranks": [
+                {"rank": 10 + node, "node": f"node{node}", "step": 4, "phase": "training", "waiting": True,
+                 "alive": True, "state": "waiting"}]}))
     ranks = {}
     for rank, node in ((0, 0), (1, 5)):
         os.mkdir(supervisors[node].local_dir)
@@ -247,20 +273,22 @@ def test_a_summary_that_cannot_be_read_for_a_moment_is_the_one_last_read_and_the
 
 
 SUPERVISOR = textwrap.dedent("""
-    import os, subprocess, sys, time
+    import json, os, subprocess, sys, time
     real_time = time.time
     time.time = lambda: real_time() + float(sys.argv[1])  # this node's wall clock, off by argv[1] seconds
     from jobgen.train import heartbeat
     from jobgen.train.console import open_rank_log
-    # Seconds instead of tens, so that the test takes seconds: publish, read and follow every second.
-    heartbeat.PUBLISH_EVERY = heartbeat.FOLLOW_EVERY = 1.0
-    heartbeat.NODE_SILENT = 4.0
-    heartbeat.read_every = lambda nnodes: 1.0
+    # The module's constants as argv[3] says, e.g. seconds instead of tens so that a test takes seconds.
+    patches = json.loads(sys.argv[3])
+    if "read_every" in patches:
+        heartbeat.read_every = lambda nnodes, every=patches.pop("read_every"): every
+    for name, value in patches.items():
+        setattr(heartbeat, name, value)
     supervisor = heartbeat.Supervisor.from_env()
     node = os.environ["NODE_RANK"]
-    with os.fdopen(open_rank_log(os.environ["JOBGEN_RUN_DIR"], "9", int(node)), "a") as log:
-        rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], node, "node" + node], stdout=subprocess.PIPE,
-                                stderr=log, text=True)
+    with os.fdopen(open_rank_log(os.environ["JOBGEN_RUN_DIR"], os.environ["JOBGEN_JOB_ID"], int(node)), "a") as log:
+        rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], node, "node" + node, *sys.argv[4:]],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
     assert rank.stdout.readline().strip() == "ready"
     supervisor.start()
     print(rank.pid, flush=True)
@@ -282,7 +310,9 @@ def test_a_node_whose_clock_is_60_s_behind_is_not_silent_monkeypatched_clock_as_
         env = dict(os.environ, JOBGEN_RUN_DIR=str(run_dir), JOBGEN_JOB_ID="9", JOBGEN_RESTART_COUNT="0",
                    NODE_RANK=str(node), NNODES="3", JOBGEN_HANG_SECONDS="10")
         env.pop("JOBGEN_HEARTBEAT_DIR", None)
-        nodes.append(subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(skew), RANK], env=env,
+        # Publish, read and follow every second, silent after 4 s: the test takes seconds.
+        patches = {"PUBLISH_EVERY": 1.0, "FOLLOW_EVERY": 1.0, "NODE_SILENT": 4.0, "read_every": 1.0}
+        nodes.append(subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(skew), RANK, json.dumps(patches)], env=env,
                                       stdout=subprocess.PIPE, text=True))
     try:
         ranks = [int(proc.stdout.readline()) for proc in nodes]
@@ -303,6 +333,82 @@ def test_a_node_whose_clock_is_60_s_behind_is_not_silent_monkeypatched_clock_as_
     hang = json.loads((run_dir / "hang.json").read_text())
     assert hang["nodes"] == "node2", hang["message"]  # what the batch script excludes on the requeue
     assert "stopped first: node node2 (rank 2: silent node)" in hang["message"]
+
+
+# A rank that trains a step every 0.3 s for as long as its peers run, and waits in the step's
+# collective, as a gloo or NCCL rank does, once one of them is stopped.
+STEPPING_RANK = textwrap.dedent("""
+    import os, sys, time
+    from jobgen.train.heartbeat import Heartbeat, process_state
+    beat = Heartbeat(int(sys.argv[1]), sys.argv[2])
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.05)
+    peers = [int(pid) for pid in open(sys.argv[3]).read().split() if int(pid) != os.getpid()]
+    step = 0
+    while True:
+        time.sleep(0.3)
+        step += 1
+        beat.beat(step, "training", waiting=True)
+        while any(process_state(pid) in (None, "T", "t") for pid in peers):
+            time.sleep(0.1)
+        beat.beat(step, "training")
+""")
+
+
+def three_nodes_training(run_dir: Path, patches: dict) -> tuple[list[subprocess.Popen], list[int]]:
+    """Three real supervisors on the default bound, each with a real stepping rank; returns them
+    and their ranks' pids once every rank trains."""
+    (run_dir / "logs").mkdir(parents=True)
+    peers = run_dir / "pids"
+    nodes = []
+    for node in range(3):
+        env = dict(os.environ, JOBGEN_RUN_DIR=str(run_dir), JOBGEN_JOB_ID="12", JOBGEN_RESTART_COUNT="0",
+                   NODE_RANK=str(node), NNODES="3")
+        for key in ("JOBGEN_HEARTBEAT_DIR", "JOBGEN_HANG_SECONDS"):
+            env.pop(key, None)
+        nodes.append(subprocess.Popen([sys.executable, "-c", SUPERVISOR, "0", STEPPING_RANK, json.dumps(patches), str(peers)],
+                                      env=env, stdout=subprocess.PIPE, text=True))
+    ranks = [int(proc.stdout.readline()) for proc in nodes]
+    peers.write_text(" ".join(map(str, ranks)))
+    return nodes, ranks
+
+
+def test_a_stopped_rank_is_found_in_10_s_of_steady_training_and_a_node_that_says_nothing_waits_for_the_floor(
+        tmp_path: Path) -> None:
+    """The quick bound (10 s) holds once the step times are known and every node has reported its
+    ranks still: a rank stopped while its node's supervisor runs is named in at most 15 s. A node
+    frozen whole (its supervisor too, as a powered-off or cut-off node) has said nothing, and the
+    others wait for the floor (60 s; 20 s here) and for it to turn silent (30 s; 16 s here), so
+    that it is named and a scheduler that saw it down has its say first."""
+    patches = {"FLOOR_SECONDS": 20.0, "NODE_SILENT": 15.0, "PUBLISH_EVERY": 5.0}
+    runs = {"rank": tmp_path / "rank", "node": tmp_path / "node"}
+    started = {name: three_nodes_training(run_dir, patches) for name, run_dir in runs.items()}
+    try:
+        time.sleep(16)  # more than WARM_PAUSES pauses in training, read a second apart: the bound is known
+        stopped_at = time.time()
+        os.kill(started["rank"][1][2], signal.SIGSTOP)
+        for pid in (started["node"][0][2].pid, started["node"][1][2]):
+            os.kill(pid, signal.SIGSTOP)
+        codes = [proc.wait(timeout=90) for name in runs for proc in started[name][0][:2]]
+    finally:
+        for nodes, ranks in started.values():
+            for pid in (nodes[2].pid, ranks[2]):
+                with contextlib.suppress(ProcessLookupError):  # the stopped rank's supervisor killed it
+                    os.kill(pid, signal.SIGKILL)
+            for proc in nodes:
+                proc.kill()
+                proc.wait()
+    assert codes == [0, 0, 0, 0]
+    rank, node = (json.loads((run_dir / "hang.json").read_text()) for run_dir in runs.values())
+    assert (rank["nodes"], rank["bound_seconds"], rank["phase"]) == ("node2", 10, "training"), rank
+    assert "stopped first: node node2 (rank 2: stopped)" in rank["message"], rank
+    assert rank["at"] - stopped_at <= 15, rank
+    assert (node["nodes"], node["bound_seconds"]) == ("node2", 20), node
+    assert "stopped first: node node2 (rank 2: silent node)" in node["message"], node
+    assert node["at"] - stopped_at >= 20, node
+    print(f"hang known {rank['at'] - stopped_at:.1f} s after a rank stopped (bound {rank['bound_seconds']} s), "
+          f"{node['at'] - stopped_at:.1f} s after a node froze whole (floor 20 s here)")
 
 
 def test_only_nodes_0_and_1_read_every_summary_and_nodes_2_and_3_take_over_when_both_are_silent(tmp_path: Path) -> None:

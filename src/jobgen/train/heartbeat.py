@@ -9,11 +9,13 @@ waits in a collective for others keeps touching it. That tells who stopped first
 
 Supervisor (one per node, in jobgen-torchrun): every second it reads its ranks' files (node-local)
 and every PUBLISH_EVERY seconds publishes a summary to RUN_DIR/heartbeat/node-K.json on the shared
-file system. Only the supervisors of nodes 0 and 1 (AGGREGATORS) read every node's summary, every
+file system, and at once when a rank stops or ends and when its ranks stall or move on after a
+stall (so a reader knows who stopped first within the quick bound). Only the supervisors of nodes 0 and 1 (AGGREGATORS) read every node's summary, every
 `read_every(nnodes)` seconds; the others look for RUN_DIR/hang.json every FOLLOW_EVERY seconds, so
 the shared folder sees a number of operations per second that grows with the nodes, not with their
-square (benchmarks/control_plane.py counts them). When the job's steps have not changed for longer
-than the bound (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
+square (benchmarks/control_plane.py counts them). When its own ranks (a step is a collective: they
+stop when any rank does) and the others' phases have not changed for longer than the bound
+(`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
 where installed, else faulthandler on SIGQUIT), holds them (SIGSTOP) and kills them
 `kill_after(nnodes)` seconds later, once every other node has found hang.json and taken its own.
@@ -72,21 +74,37 @@ def kill_after(nnodes: int) -> float:
     """Seconds from a supervisor's asking its ranks for their stacks to its killing them. One node
     waits for its ranks to write them. With others, until the last node to find hang.json (a
     follow interval and a loop's second later) has had its ranks write theirs: a rank killed here
-    fails theirs in their collective at once under gloo, and their stacks would be lost."""
-    return max(FOLLOW_EVERY, read_every(nnodes)) + 1.0 + 2 * STACK_SECONDS if nnodes > 1 else STACK_SECONDS
+    fails theirs in their collective at once under gloo, and their stacks would be lost. Up to
+    AGGREGATORS nodes every node reads at the read interval, not the follow interval."""
+    if nnodes == 1:
+        return STACK_SECONDS
+    follow = read_every(nnodes) if nnodes <= AGGREGATORS else max(FOLLOW_EVERY, read_every(nnodes))
+    return follow + 1.0 + 2 * STACK_SECONDS
 
 
 def detection_delay(nnodes: int) -> float:
-    """The most seconds, beyond the bound, from a hang to every node knowing it: a summary
-    published late, read late, and hang.json found late."""
-    return PUBLISH_EVERY + read_every(nnodes) + FOLLOW_EVERY + 1.0
+    """The most seconds, beyond the bound, from a hang to every node knowing it: a deciding
+    node's ranks read a second late, the others' summaries read late, and hang.json found late."""
+    return 1.0 + read_every(nnodes) + FOLLOW_EVERY + 1.0
 
 # The bound: with nothing else known, a step that takes this long is a hang.
-FLOOR_SECONDS = 60.0
-STEP_FACTOR = 5.0  # times the slowest of the recent steps
+FLOOR_SECONDS = 60.0  # before the pauses are known, in evaluation, and while a node has not reported
+QUICK_FLOOR_SECONDS = 10.0  # in steady training, every node having reported its ranks still
+WARM_PAUSES = 5  # pauses measured in training (a step each, or a second each of micro-batches) before the quick floor
+STEP_FACTOR = 5.0  # times the longest of the recent pauses
 STARTUP_SECONDS = 900.0  # start-up (imports, model load, first step): within the default 30 min timeout
 SAVE_SECONDS = 300.0
 SAVE_FACTOR = 3.0  # times the slowest save seen
+REPORT_SECONDS = 120.0  # rank 0 writing metrics and calling the trackers (a slow MLflow server)
+STILL_SECONDS = 2.0  # at least: a node whose ranks have not moved this long reports it at once
+MICRO_EVERY = 0.25  # a rank's progress inside a step is written at most this often
+
+
+def still_seconds(pauses: list[float]) -> float:
+    """Seconds without a change in a node's ranks after which it publishes its summary at once,
+    marked stalled: twice a usual pause, so that steady training adds no publishes."""
+    recent = sorted(pauses[-20:])
+    return max(STILL_SECONDS, 2 * recent[len(recent) // 2]) if recent else STILL_SECONDS
 
 
 def install_stack_dump() -> None:
@@ -112,9 +130,18 @@ class Heartbeat:
             self._write()
             threading.Thread(target=self._touch, name="jobgen-heartbeat", daemon=True).start()
 
-    def beat(self, step: int, phase: str, waiting: bool = False) -> None:
+    def beat(self, step: int, phase: str, waiting: bool = False, writing: bool = False) -> None:
+        """`writing`: a checkpoint is being written in the background (training.async_save), which
+        may slow the steps down; their bound keeps its floor meanwhile."""
         if self.dir:
-            self.state.update(step=step, phase=phase, waiting=waiting)
+            self.state.update(step=step, phase=phase, waiting=waiting, writing=writing, micro=0)
+            self._write()
+
+    def micro(self, done: int) -> None:
+        """Micro-batches done in the step: progress within a long step, so that the bound follows
+        the longest pause between them, not the step's time. At most every MICRO_EVERY seconds."""
+        if self.dir and time.monotonic() - self.state.get("at", 0.0) >= MICRO_EVERY:
+            self.state["micro"] = done
             self._write()
 
     def progress(self, done: int) -> None:
@@ -124,6 +151,8 @@ class Heartbeat:
             self._write()
 
     def _write(self) -> None:
+        # When, by the node's monotonic clock (the supervisor's too): the pauses it measures are exact.
+        self.state["at"] = time.monotonic()
         path = os.path.join(self.dir, f"rank{self.rank}.json")
         tmp = f"{path}.tmp"
         try:
@@ -144,33 +173,50 @@ class Heartbeat:
 
 
 # ------------------------------------------------------------ the bound
-def hang_bound(step_seconds: list[float], phase: str, override: Optional[float] = None,
+def hang_bound(pauses: list[float], phase: str, override: Optional[float] = None,
                save_seconds: Optional[list[float]] = None) -> float:
     """Seconds without a change in any rank's step or phase after which the job is hung.
 
-    Training: `requeue.hang_seconds` when set, else STEP_FACTOR times the slowest of the last 20
-    step times, at least FLOOR_SECONDS. Start-up (before the segment's first step): at least
-    STARTUP_SECONDS, whatever is set (imports and a model load can take minutes). Saving: at least
-    SAVE_FACTOR times the slowest save seen, and SAVE_SECONDS unless `requeue.hang_seconds` says
-    otherwise (whoever sets it knows their saves)."""
-    recent = step_seconds[-20:]
-    training = override if override else max(FLOOR_SECONDS, STEP_FACTOR * max(recent, default=0.0))
+    Training: `requeue.hang_seconds` when set, else STEP_FACTOR times the longest of the last 20
+    pauses in training (seconds between two changes in a node's ranks: steps, micro-batches, the
+    wait in a step's collective), at least QUICK_FLOOR_SECONDS once WARM_PAUSES pauses are known
+    and FLOOR_SECONDS before. Start-up (before the segment's first step): at least STARTUP_SECONDS,
+    whatever is set (imports and a model load can take minutes). Saving: at least SAVE_FACTOR
+    times the slowest save seen, and SAVE_SECONDS unless `requeue.hang_seconds` says otherwise
+    (whoever sets it knows their saves). Evaluating and reporting (rank 0's metrics and trackers)
+    have their own floors, FLOOR_SECONDS and REPORT_SECONDS, unless it is set.
+
+    The supervisor holds the quick floor to FLOOR_SECONDS while a node has not reported its ranks
+    still (`Supervisor.everyone_reported`): a node powered off or cut off says nothing, and is named
+    only once it is silent."""
+    recent = pauses[-20:]
+    floor = QUICK_FLOOR_SECONDS if len(pauses) >= WARM_PAUSES else FLOOR_SECONDS
+    training = override if override else max(floor, STEP_FACTOR * max(recent, default=0.0))
     if phase == "start-up":
         return max(training, STARTUP_SECONDS)
     if phase == "saving":
         return max(training, 0.0 if override else SAVE_SECONDS, SAVE_FACTOR * max(save_seconds or [0.0]))
+    if phase in ("evaluating", "writing", "reporting") and not override:
+        return max(training, REPORT_SECONDS if phase == "reporting" else FLOOR_SECONDS)
     return training
 
 
 def segment_phase(phases: set[str]) -> str:
-    """The phase whose bound applies, from every rank's as last read: saving if any saves;
-    start-up only while no rank has trained. A first step is a collective of all ranks, so one
-    rank training means every rank started; a node that still says "start-up" said so in a summary
-    published before its first step (every 10 s), and a node lost just then would otherwise hold
-    the job to the start-up bound (15 min) while the others wait on it."""
-    if "saving" in phases:
-        return "saving"
-    return "training" if "training" in phases else "start-up"
+    """The phase whose bound applies, from every rank's as last read (`rank_phases`): saving if
+    any saves, then evaluating ("evaluating 3": its round), reporting and writing (training with
+    a checkpoint written in the background); start-up only while no rank has trained. A first step is a collective of all ranks, so one rank training means every rank
+    started; a node that still says "start-up" said so in a summary published before its first
+    step, and a node lost just then would otherwise hold the job to the start-up bound (15 min)
+    while the others wait on it."""
+    for phase in ("saving", "evaluating", "reporting", "writing"):
+        if any(p.split(" ")[0] == phase for p in phases):
+            return phase
+    return "start-up" if phases <= {"start-up"} else "training"
+
+
+def rank_phases(ranks: list[dict[str, Any]]) -> set[str]:
+    """The ranks' phases, and "writing" where a rank writes a checkpoint in the background."""
+    return {r["phase"] for r in ranks} | ({"writing"} if any(r.get("writing") for r in ranks) else set())
 
 
 def stopped_first(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -228,6 +274,8 @@ class Supervisor:
     _seen: dict = field(default_factory=dict)
     _last_read: dict = field(default_factory=dict)  # node -> its summary as last read
     _seq: int = 0
+    bound: Optional[float] = None  # the bound this node last applied (an aggregating one), for people
+    longest_pause: Optional[float] = None  # of its ranks' recent pauses in training, for people
 
     @classmethod
     def from_env(cls) -> Optional["Supervisor"]:
@@ -280,12 +328,15 @@ class Supervisor:
     def now(self) -> float:
         return (self.clock or time.monotonic)()
 
-    def publish(self, ranks: list[dict[str, Any]]) -> None:
+    def publish(self, ranks: list[dict[str, Any]], stalled: bool = False) -> None:
+        """`stalled`: this node's ranks have not moved for `still_seconds`, so an aggregating
+        reader may decide on the quick bound (`everyone_reported`)."""
         from jobgen.files import replace_atomically
 
         self._seq += 1  # what readers time: "at" is for people, the nodes' clocks differ
         summary = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
-                   "at": time.time(), "ranks": ranks}
+                   "at": time.time(), "stalled": stalled, "bound": self.bound, "longest_pause": self.longest_pause,
+                   "ranks": ranks}
         try:
             replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"), json.dumps(summary))
         except OSError:
@@ -317,6 +368,20 @@ class Supervisor:
         if now - last[1] > node_silent(self.nnodes):  # its supervisor too is stopped, or the node is gone
             node["ranks"] = [dict(rank, alive=False, state="silent node") for rank in node["ranks"]]
         return node
+
+    def everyone_reported(self) -> bool:
+        """Whether every other node's summary, as last read, says its ranks are still or not all
+        alive. A node publishes at once when its ranks stall and again when they move on, so such
+        a summary is what its ranks are doing now, and who stopped first can be told without
+        waiting for a node to turn silent. A node that has said nothing of the kind (powered off,
+        cut off, frozen whole) holds the bound until it is silent."""
+        for k in range(self.nnodes):
+            if k == self.node_rank:
+                continue
+            node = self._last_read.get(k)
+            if node is None or not (node.get("stalled") or not all(rank.get("alive", True) for rank in node["ranks"])):
+                return False
+        return True
 
     def all_ranks(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ranks = list(mine)
@@ -354,20 +419,43 @@ class Supervisor:
     def _watch(self) -> None:
         os.makedirs(self.shared_dir, exist_ok=True)
         last_key, last_change, changed = None, None, []
-        top_step, top_at = None, None
-        step_seconds: list[float] = []
+        still_key, still_since = None, 0.0  # this node's ranks: since when they have not moved
+        moved_at, pause_phases = None, set()  # their last change by their own clock, the phases since
+        pauses: list[float] = []  # seconds between two changes in training: what the bound follows
         save_seconds: list[float] = []
         saving_since = None
         published = followed = read = -float("inf")
+        published_states, published_still = None, False
         aggregating, others = self.node_rank < AGGREGATORS, []
         while not self._stop.wait(1.0):
             mine = self.local_ranks()
             if not mine:
                 continue
             now = self.now()
-            if now - published >= PUBLISH_EVERY:
-                self.publish(mine)
-                published = now
+            local = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress"), r.get("micro"))
+                                 for r in mine))
+            pause_phases.add(segment_phase(rank_phases(mine)))
+            if local != still_key:
+                still_key, still_since = local, now
+                # The ranks' own times of their last change: exact, where reads are a second apart.
+                at = max(r.get("at", now) for r in mine)
+                if moved_at is not None and pause_phases <= {"training"}:
+                    pauses.append(at - moved_at)
+                    del pauses[:-20]  # the bound follows the last 20
+                    self.longest_pause = round(max(pauses), 2)
+                moved_at, pause_phases = at, set()
+            step = max(r["step"] for r in mine)
+            # Only where a short bound can apply: a start-up's pauses publish nothing extra.
+            stalled = ((bool(self.override) or len(pauses) >= WARM_PAUSES)
+                       and now - still_since >= still_seconds(pauses))
+            states = tuple(r["state"] for r in mine)
+            # Every PUBLISH_EVERY seconds, and at once when a rank stops, dies or freezes, when the
+            # ranks have been still for longer than a usual step and when they move on after it:
+            # a reader can tell who stopped first within the quick bound. Steady training
+            # publishes no more than before.
+            if now - published >= PUBLISH_EVERY or states != published_states or stalled != published_still:
+                self.publish(mine, stalled)
+                published, published_states, published_still = now, states, stalled
             if any(r["state"] == "gone" for r in mine):
                 # A rank ended: torchrun takes it from here. If the job was found hung, another
                 # node may have ended its ranks first; the stacks of those still here are taken.
@@ -387,25 +475,27 @@ class Supervisor:
             if now - read >= read_every(self.nnodes):  # between reads, the others' ranks as last read
                 others, read = self.all_ranks([]), now
             ranks = mine + others
-            # A rank's progress before its first step (the data it has tokenized) counts as a change.
-            key = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress")) for r in ranks))
+            # Progress is this node's ranks, read fresh every second: a step is a collective, so they
+            # stop when any rank does. Of the others only a phase or a count of work done before the
+            # first step (the data tokenized) counts; their steps arrive up to a publish late, and a
+            # late one would put the detection off.
+            key = local + tuple(sorted((r["rank"], None, r["phase"], None, r.get("progress")) for r in others))
             if key != last_key:
                 # What changed last, for the finding: a hang detected late says which rank kept moving.
-                changed = sorted(set(key) - set(last_key or ()))
+                changed = sorted(set(key) - set(last_key or ()), key=lambda entry: entry[0])
                 last_key, last_change = key, now
-            step = max(r["step"] for r in ranks)
-            if top_step is None or step > top_step:
-                if top_step is not None and top_at is not None and step == top_step + 1:
-                    step_seconds.append(now - top_at)
-                top_step, top_at = step, now
-            phases = {r["phase"] for r in ranks}
+            phases = rank_phases(ranks)
             phase = segment_phase(phases)
             if "saving" in phases and saving_since is None:
                 saving_since = now
             elif "saving" not in phases and saving_since is not None:
                 save_seconds.append(now - saving_since)
                 saving_since = None
-            bound = hang_bound(step_seconds[1:] if len(step_seconds) > 1 else [], phase, self.override, save_seconds)
+            bound = hang_bound(pauses, phase, self.override, save_seconds)
+            if now - last_change > bound and not self.everyone_reported():
+                # Someone has said nothing since: wait until it is silent, so that it is named.
+                bound = max(bound, node_silent(self.nnodes) if self.override else FLOOR_SECONDS)
+            self.bound = round(bound, 1)
             if now - last_change > bound:
                 culprits = stopped_first(ranks)
                 world = len(ranks)
@@ -415,7 +505,7 @@ class Supervisor:
                     "phase": phase, "step": step, "ranks": sorted(r["rank"] for r in culprits),
                     "nodes": " ".join(sorted({r["node"] for r in culprits})) if len(culprits) < world else "",
                     "message": describe_hang(now - last_change, bound, step, culprits, world),
-                    "step_seconds_recent": [round(s, 2) for s in step_seconds[-5:]],
+                    "pauses_recent": [round(s, 2) for s in pauses[-5:]],
                     "last_change": [dict(zip(("rank", "step", "phase", "waiting", "progress"), entry)) for entry in changed],
                 }
                 self._claim(finding)

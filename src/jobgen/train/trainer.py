@@ -366,17 +366,19 @@ class Trainer:
                     engine.step()
                     loss_x_tokens = loss_x_tokens + loss_sum.detach()
                     tokens += n
+                    self.beat.micro(micro + 1)
                 loss_x_tokens = float(loss_x_tokens)
                 compute_seconds = time.perf_counter() - started
                 step += 1
                 if p.step_delay:
                     time.sleep(p.step_delay)  # testing aid: lets a test interrupt a tiny run mid-way
-                self.beat.beat(step, "training", waiting=True)
+                writing = self.saves is not None and self.saves.busy
+                self.beat.beat(step, "training", waiting=True, writing=writing)
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
                      *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum)]
                 )
-                self.beat.beat(step, "training")
+                self.beat.beat(step, "training", writing=writing)
                 check_finite(step, [row[0] for row in rows], self.report.checkpoint)
                 stop = self._note_signal(max(int(row[8]) for row in rows))
                 self._slowest_step = max(row[4] for row in rows)
@@ -393,6 +395,10 @@ class Trainer:
                 # Every rank has the same eval loss, so all agree on a new best and save it together.
                 new_best = bool(evaluated) and self.best is not None and self.best.offer(step, evaluated["eval_loss"])
                 if step % t.logging_interval == 0 or step == total_steps or stop or evaluated:
+                    # Rank 0 alone, the others waiting in the next step: its own phase, so that a
+                    # slow tracker server is not taken for a hang (heartbeat.REPORT_SECONDS).
+                    if metrics.enabled:
+                        self.beat.beat(step, "reporting", writing=writing)
                     metrics.write({
                         "step": step,
                         "time": time.time(),
@@ -409,6 +415,7 @@ class Trainer:
                            if dist.cuda else {}),
                         **evaluated,
                     })
+                    self.beat.beat(step, "training", writing=writing)
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps or new_best:
                     self._save_checkpoint(step, order, wait=stop or step == total_steps)
@@ -502,7 +509,7 @@ class Trainer:
         try:
             self._save(step, state, wait, started)
         finally:
-            self.beat.beat(step, "training")
+            self.beat.beat(step, "training", writing=self.saves is not None and self.saves.busy)
 
     def _save(self, step: int, state: dict, wait: bool, started: float) -> None:
         if self.saves:
