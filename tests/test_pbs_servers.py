@@ -383,7 +383,8 @@ def test_openpbs_a_node_that_hangs_or_is_killed_while_training_is_replaced_by_a_
     job = lora_job(tiny, f"spare-{fault}", setup_lines(openpbs), step_delay=2, resources={"spare_nodes": 1})
     job_id = submit(openpbs, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
     run_dir = run_dir_of(folder, job)
-    at_step = random.randint(3, 7)
+    # A hang in steady training (past heartbeat.WARM_PAUSES), where the quick bound applies.
+    at_step = random.randint(9, 10) if fault == "hang" else random.randint(3, 7)
     wait_for_step(run_dir, at_step)
     wait_for(lambda: (run_dir / "heartbeat" / "node-1.json").exists(), "node 1's heartbeat", 60)
     fault_at = hang_node(run_dir, 1) if fault == "hang" else kill_node(run_dir, 1)
