@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -60,6 +61,22 @@ def status(run_dir: Path) -> dict:
     return json.loads(out)
 
 
+def tiny_work(work: Optional[Path], prefix: str) -> Path:
+    """The run's folder (a new temporary one unless given) with the tiny model and its data in tiny/."""
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
+    return work
+
+
+def submit_job(work: Path, job: dict, step_delay: float) -> str:
+    """`jobgen submit -s slurm` of `job`, written to WORK/job.yaml, from WORK; the job id."""
+    (work / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": str(step_delay)}
+    return subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(work / "job.yaml")],
+                          cwd=work, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def segment_starts(run_dir: Path) -> list[float]:
     path = run_dir / "segments.jsonl"
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -73,9 +90,7 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=1.0)
     parser.add_argument("--work", type=Path, help="folder for the run (default: a new temporary one)")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-goodput-"))
-    work.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
+    work = tiny_work(args.work, "jobgen-goodput-")
     steps = 100_000  # beyond reach: every segment ends by preemption
     job = {
         "name": "jobgen-bench-goodput",
@@ -86,10 +101,7 @@ def main() -> None:
                      "save_interval": 100, "logging_interval": 10},
         "requeue": {"max_restarts": args.preemptions + 1, "warning_seconds": 30},
     }
-    (work / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JOBGEN_DEBUG_STEP_DELAY": str(args.step_delay)}
-    job_id = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(work / "job.yaml")],
-                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    job_id = submit_job(work, job, args.step_delay)
     run_dir = work / "runs" / "jobgen-bench-goodput"
     print(f"job {job_id}, {steps} steps, run directory {run_dir}", flush=True)
     done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}

@@ -24,15 +24,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from goodput_preempted import scontrol, wait  # noqa: E402
+from goodput_preempted import scontrol, submit_job, tiny_work, wait  # noqa: E402
 
 HOG = "while True: pass"
 
@@ -46,12 +43,11 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--work", type=Path, help="folder for the run (default: a new temporary one)")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-soak-"))
-    work.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(work / "tiny")], check=True, capture_output=True)
+    work = tiny_work(args.work, "jobgen-soak-")
+    limit = int(args.minutes) + 15
     job = {
         "name": "jobgen-bench-soak",
-        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": f"00:{int(args.minutes) + 15:02d}:00",
+        "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": f"{limit // 60:02d}:{limit % 60:02d}:00",
                       "partition": "debug", "exclusive": True},
         "launch": {"procs_per_node": 1},
         "training": {"model": str(work / "tiny/model"), "data": str(work / "tiny/data.json"), "method": "lora",
@@ -60,11 +56,7 @@ def main() -> None:
                      "logging_interval": 1},
         "requeue": {"max_restarts": 0, "warning_seconds": 30},
     }
-    (work / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "JOBGEN_DEBUG_STEP_DELAY": str(args.step_delay)}
-    job_id = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", str(work / "job.yaml")],
-                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    job_id = submit_job(work, job, args.step_delay)
     run_dir = work / "runs" / "jobgen-bench-soak"
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
     print(f"job {job_id}, run directory {run_dir}, {args.hogs} CPU hogs beside it", flush=True)

@@ -10,10 +10,11 @@ waits in a collective for others keeps touching it. That tells who stopped first
 Supervisor (one per node, in jobgen-torchrun): every second it reads its ranks' files (node-local)
 and every PUBLISH_EVERY seconds publishes a summary to RUN_DIR/heartbeat/node-K.json on the shared
 file system, and at once when a rank stops or ends and when its ranks stall or move on after a
-stall (so a reader knows who stopped first within the quick bound). Only the supervisors of nodes 0 and 1 (AGGREGATORS) read every node's summary, every
-`read_every(nnodes)` seconds; the others look for RUN_DIR/hang.json every FOLLOW_EVERY seconds, so
-the shared folder sees a number of operations per second that grows with the nodes, not with their
-square (benchmarks/control_plane.py counts them). When its own ranks (a step is a collective: they
+stall (so a reader knows who stopped first within the quick bound). Only the supervisors of nodes
+0 and 1 (AGGREGATORS) read every node's summary, every `read_every(nnodes)` seconds; the others
+look for RUN_DIR/hang.json every FOLLOW_EVERY seconds, so the shared folder sees a number of
+operations per second that grows with the nodes, not with their square
+(benchmarks/control_plane.py counts them). When its own ranks (a step is a collective: they
 stop when any rank does) and the others' phases have not changed for longer than the bound
 (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
@@ -183,8 +184,9 @@ def hang_bound(pauses: list[float], phase: str, override: Optional[float] = None
     and FLOOR_SECONDS before. Start-up (before the segment's first step): at least STARTUP_SECONDS,
     whatever is set (imports and a model load can take minutes). Saving: at least SAVE_FACTOR
     times the slowest save seen, and SAVE_SECONDS unless `requeue.hang_seconds` says otherwise
-    (whoever sets it knows their saves). Evaluating and reporting (rank 0's metrics and trackers)
-    have their own floors, FLOOR_SECONDS and REPORT_SECONDS, unless it is set.
+    (whoever sets it knows their saves). Evaluating, writing (a checkpoint written in the
+    background) and reporting (rank 0's metrics and trackers) have their own floors,
+    FLOOR_SECONDS, FLOOR_SECONDS and REPORT_SECONDS, unless it is set.
 
     The supervisor holds the quick floor to FLOOR_SECONDS while a node has not reported its ranks
     still (`Supervisor.everyone_reported`): a node powered off or cut off says nothing, and is named
@@ -204,10 +206,11 @@ def hang_bound(pauses: list[float], phase: str, override: Optional[float] = None
 def segment_phase(phases: set[str]) -> str:
     """The phase whose bound applies, from every rank's as last read (`rank_phases`): saving if
     any saves, then evaluating ("evaluating 3": its round), reporting and writing (training with
-    a checkpoint written in the background); start-up only while no rank has trained. A first step is a collective of all ranks, so one rank training means every rank
-    started; a node that still says "start-up" said so in a summary published before its first
-    step, and a node lost just then would otherwise hold the job to the start-up bound (15 min)
-    while the others wait on it."""
+    a checkpoint written in the background); start-up only while no rank has trained. A first
+    step is a collective of all ranks, so one rank training means every rank started; a node that
+    still says "start-up" said so in a summary published before its first step, and a node lost
+    just then would otherwise hold the job to the start-up bound (15 min) while the others wait
+    on it."""
     for phase in ("saving", "evaluating", "reporting", "writing"):
         if any(p.split(" ")[0] == phase for p in phases):
             return phase
