@@ -139,3 +139,22 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port between 20000 and {ephemeral_low}")
+
+
+
+def assert_at_most_one_step_lost(run_dir: Path, resumed_from: int, fault_at: float | None = None,
+                                 reached: int | None = None) -> int:
+    """A restart after a failure without warning resumed from the step `reached` (default: the
+    last logged before `fault_at`, a time.time()) or the one before: the peer snapshot of a
+    surviving node (training.snapshot_every, on by default for LoRA) written out as a checkpoint,
+    unless a periodic checkpoint was that new already. Returns the step reached."""
+    import json
+
+    if reached is None:
+        metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+        reached = max(m["step"] for m in metrics if m["time"] <= fault_at)
+    assert resumed_from >= reached - 1, f"reached step {reached}, resumed from {resumed_from}: more than one step lost"
+    if resumed_from % 4:  # not a periodic checkpoint of the tests' save_interval (4): it came from memory
+        said = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*") if p.is_file())
+        assert f"snapshot of step {resumed_from} (" in said and "held in the memory of " in said, said[-3000:]
+    return reached

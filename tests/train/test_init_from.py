@@ -120,7 +120,7 @@ def test_resume_from_a_chosen_checkpoint_sets_the_later_ones_aside_and_ends_as_a
     moved = rewind.set_aside_after(output, step)
     assert [p.name for p in moved] == ["step-000009", "step-000012"]
     assert moved[0].parent.parent == output / "checkpoints-set-aside"
-    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
+    assert sorted(p.name for p in (output / "checkpoints").iterdir() if p.is_dir()) == ["step-000003", "step-000006"]
     assert (moved[0].parent / "metrics-after.jsonl").exists()
 
     resumed = tools.train(run / "job.yaml")

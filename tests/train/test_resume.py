@@ -91,7 +91,7 @@ def test_metrics_lines_carry_token_weighted_loss_and_rank_timings(runs):
 
 
 def test_checkpoint_holds_manifest_rng_and_sampler_position(runs):
-    checkpoints = sorted((runs["straight"] / "output" / "checkpoints").iterdir())
+    checkpoints = sorted(p for p in (runs["straight"] / "output" / "checkpoints").iterdir() if p.is_dir())
     assert [p.name for p in checkpoints] == ["step-000009", "step-000012"]  # keep_checkpoints = 2
     newest = checkpoints[-1]
     manifest = json.loads((newest / "manifest.json").read_text())

@@ -759,6 +759,13 @@ class Training(_Strict):
         "of each rank's share of it); writing, fsync, hashing and the commit run in the background, and a stop "
         "waits for them. false: training waits for the whole save and needs no host copy",
     )
+    snapshot_every: Optional[int] = Field(
+        None, ge=0, examples=[1],
+        description="optimizer steps between snapshots of the trainable state kept in host memory on this node and "
+        "the next (lora, qlora: a few MB a rank); after a failure nobody announced (a killed or hung rank, a node "
+        "powered off) the run resumes from the newest step the surviving nodes hold whole, when it is newer than the "
+        "newest checkpoint. Default 1 for lora and qlora, 0 (none) for full, whose state is the whole model's",
+    )
     step_seconds_estimate: Optional[float] = Field(
         None, gt=0, examples=[2.5], description="your estimate of one optimizer step, used only to warn about save_interval"
     )
@@ -843,6 +850,12 @@ class Training(_Strict):
     def trackers(self) -> list[str]:
         """report_to, with tensorboard where the older `tensorboard: true` asks for it."""
         return list(dict.fromkeys([*self.report_to, *(["tensorboard"] if self.tensorboard else [])]))
+
+    def snapshot_steps(self) -> int:
+        """snapshot_every, or its default for the method (0: no snapshots)."""
+        if self.snapshot_every is not None:
+            return self.snapshot_every
+        return 0 if self.method == "full" else 1
 
     def warmup_of(self, total_steps: int) -> int:
         """Warmup steps of a run of `total_steps` (warmup_ratio rounded up, as the Hugging Face Trainer)."""

@@ -38,7 +38,9 @@ def format_lines(found: list[dict[str, Any]]) -> list[str]:
     for cost in found:
         cause = cost["after"] + (f" ({' '.join(cost['nodes'])})" if cost["nodes"] else "")
         again = cost["steps_trained_again"]
-        steps = f"{again} step(s) trained again ({cost['resumed_from'] + 1}-{cost['reached']})" if again else "no step trained again"
+        first = cost["resumed_from"] + 1
+        span = f"{first}-{cost['reached']}" if first < cost["reached"] else f"{cost['reached']}"
+        steps = f"{again} step(s) trained again ({span})" if again else "no step trained again"
         seconds = []
         if cost["seconds_to_first_new_step"] is not None:
             seconds.append(f"first new step after {cost['seconds_to_first_new_step']:.0f} s")

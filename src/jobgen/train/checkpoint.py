@@ -12,6 +12,8 @@ Layout of `OUTPUT_DIR/checkpoints/step-000123/`:
                             chat template's digest
     manifest.json           step, world size, config digest, every file with size and sha256
     COMPLETE                written last
+`OUTPUT_DIR/checkpoints/.snapshot-token` names the run for its peer snapshots (peer_snapshot.py),
+which a restart may write out here as a checkpoint: its manifest then says `written_from`.
 
 Every rank writes into `.tmp-step-000123`; after a barrier the files are hashed (spread over the
 ranks), rank 0 writes the manifest and COMPLETE, fsyncs and renames the directory. A kill at any
@@ -122,6 +124,11 @@ class CheckpointStore:
     def is_complete(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.root, name, COMPLETE))
 
+    def newest_complete_step(self) -> Optional[int]:
+        """The step of the newest checkpoint with COMPLETE (its files not checked), or None."""
+        newest = self._complete_dirs()[:1]
+        return int(STEP_DIR.match(os.path.basename(newest[0])).group(1)) if newest else None
+
     def _complete_dirs(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
@@ -176,7 +183,6 @@ class CheckpointStore:
         """Collective: write a complete checkpoint of `step`; returns its path."""
         import torch
 
-        final = os.path.join(self.root, step_name(step))
         temp = self.fresh_temp(step)
         engine.save_checkpoint(temp, tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
         self.pause.at("write", step)
@@ -190,10 +196,17 @@ class CheckpointStore:
             state = dict(state, step=step, world_size=self.dist.world_size)
             write_json_atomically(os.path.join(temp, TRAINER_STATE), state)
         self.dist.barrier()  # every rank's files are on disk
+        return self.commit_written(temp, step, state["config_digest"])
+
+    def commit_written(self, temp: str, step: int, config_digest: str, world_size: Optional[int] = None,
+                       written_from: Optional[str] = None) -> str:
+        """Collective, once every rank's files of `step` are durable in `temp`: hashed (spread over
+        the ranks) and committed by rank 0. `world_size`: the world that trained them, if not this one."""
+        final = os.path.join(self.root, step_name(step))
         names = self.dist.broadcast_object(list_files(temp) if self.dist.is_main else None)
         entries = self._hash_spread(temp, names, expected=None)[0]
         if self.dist.is_main:
-            self.commit(temp, step, state["config_digest"], {name: entries[name] for name in names})
+            self.commit(temp, step, config_digest, {name: entries[name] for name in names}, world_size, written_from)
         self.dist.barrier()
         return final
 
@@ -211,10 +224,14 @@ class CheckpointStore:
         """This rank's RNG states in `checkpoint` (a complete one or a `.tmp-` directory)."""
         return os.path.join(checkpoint, "rng", f"rank-{self.dist.rank:05d}.pt")
 
-    def commit(self, temp: str, step: int, config_digest: str, files: dict) -> str:
+    def commit(self, temp: str, step: int, config_digest: str, files: dict, world_size: Optional[int] = None,
+               written_from: Optional[str] = None) -> str:
         """Rank 0, once every rank's files in `temp` are durable: manifest, COMPLETE, rename, prune."""
         final = os.path.join(self.root, step_name(step))
-        manifest = {"step": step, "world_size": self.dist.world_size, "config_digest": config_digest, "files": files}
+        manifest = {"step": step, "world_size": world_size or self.dist.world_size, "config_digest": config_digest,
+                    "files": files}
+        if written_from:  # not written by the training loop: where its files came from
+            manifest["written_from"] = written_from
         write_json_atomically(os.path.join(temp, MANIFEST), manifest)
         self.pause.at("commit", step)
         with open(os.path.join(temp, COMPLETE), "w") as handle:

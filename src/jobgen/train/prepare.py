@@ -36,7 +36,7 @@ RESUME_SAFE_FIELDS = {
     "per_device_batch_size", "gradient_accumulation", "global_batch_size",
     "max_steps", "epochs", "save_interval", "keep_checkpoints", "logging_interval", "tensorboard",
     "report_to",
-    "output_dir", "step_seconds_estimate", "async_save", "prepared_cache",
+    "output_dir", "step_seconds_estimate", "async_save", "snapshot_every", "prepared_cache",
     # A file reads as the same conversations whether its format is detected or named (a named
     # format the file is not in is refused; only an item with two formats' fields, which auto
     # refuses, reads differently as each), and checkpoints made before the field still resume.

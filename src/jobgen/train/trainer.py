@@ -35,7 +35,7 @@ from jobgen.job.model_config import code_files_of
 from jobgen.rundir.files import BEST_MODEL, FINAL_MODEL
 from jobgen.rundir.model_pin import needs_pin, pin_commit
 from jobgen.train import checkpoint as ckpt
-from jobgen.train import health, init_from
+from jobgen.train import health, init_from, peer_snapshot
 from jobgen.train.background_save import BackgroundSaves
 from jobgen.train.best import BestSoFar, restore_pointer, write_pointer
 from jobgen.train.chat_template import CHATML, CHATML_JINJA
@@ -47,6 +47,7 @@ from jobgen.train.exit_report import ExitReport, NotFinite
 from jobgen.train.heartbeat import Heartbeat
 from jobgen.train.metrics import MetricsWriter, StartupClock, host_peak_mb, peak_memory_mb
 from jobgen.train.modeling import import_deepspeed, keep_bitsandbytes_out, load_model, load_tokenizer
+from jobgen.train.peer_snapshot import PeerSnapshots
 from jobgen.train.prepare import Prepared, model_hidden_size
 from jobgen.train.schedule import LRFactor, check_schedule_total, total_steps_of
 from jobgen.train.stop import StopRequest, signal_name
@@ -112,10 +113,18 @@ class Trainer:
         os.makedirs(self.p.output_dir, exist_ok=True)
         store = self.store = ckpt.CheckpointStore(os.path.join(self.p.output_dir, "checkpoints"), dist, t.keep_checkpoints)
         self.saves = BackgroundSaves(store, on_commit=self._committed_in_background) if t.async_save else None
+        self.snapshots: Optional[PeerSnapshots] = None
         error: Optional[BaseException] = None
         found = None
         try:
             store.remove_stale_temps()
+            if t.snapshot_steps():
+                # A failure nobody announced: the newest step the nodes of this world hold whole,
+                # written out as a checkpoint if it is newer than the newest on disk.
+                node, token = health.node_name(), peer_snapshot.run_token(store)
+                folder = peer_snapshot.node_folder(self.p.output_dir, node)
+                peer_snapshot.promote(store, folder, token, node)
+                self.snapshots = PeerSnapshots(dist, folder, token, node)
             found = store.find_latest()
             if found is not None:
                 ckpt.check_compatible(found, self.p.config_digest, self._changed_fields(found))
@@ -376,7 +385,8 @@ class Trainer:
                 self.beat.beat(step, "training", waiting=True, writing=writing)
                 rows = dist.all_gather_floats(
                     [loss_x_tokens, tokens, inputs, samples, compute_seconds,
-                     *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum)]
+                     *peak_memory_mb(dist.cuda), host_peak_mb(), float(self.stop.signum),
+                     float(self.snapshots is not None and self.snapshots.busy)]
                 )
                 self.beat.beat(step, "training", writing=writing)
                 check_finite(step, [row[0] for row in rows], self.report.checkpoint)
@@ -419,6 +429,11 @@ class Trainer:
                     interval = dict.fromkeys(interval, 0.0)
                 if stop or step % t.save_interval == 0 or step == total_steps or new_best:
                     self._save_checkpoint(step, order, wait=stop or step == total_steps)
+                elif self.snapshots is not None and step % t.snapshot_steps() == 0:
+                    if max(row[9] for row in rows):  # a rank's previous snapshot is still on its way: never wait
+                        self.snapshots.skipped += 1
+                    else:
+                        self.snapshots.take(engine, step, self._checkpoint_state(step, order))
         finally:
             self.report.train_seconds = round(time.perf_counter() - loop_start, 3)
             metrics.close(completed=step >= total_steps and not stop)
@@ -426,6 +441,12 @@ class Trainer:
                 sample_log.close()
         if self.saves:
             self.saves.wait()  # a stop or the end: the save in flight is committed before anything else
+        if self.snapshots is not None:
+            self.snapshots.wait()  # every peer is alive to finish its exchange; none left mid-way at exit
+            if dist.is_main:
+                log.info("snapshots: %d taken, %d skipped (a rank's previous one still on its way), %.2f MB a rank%s",
+                         self.snapshots.taken, self.snapshots.skipped, self.snapshots.size / 1e6,
+                         f"; the first that failed: {self.snapshots.error}" if self.snapshots.error else "")
         if stop:
             if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
                 self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
@@ -436,6 +457,8 @@ class Trainer:
             self._save_checkpoint(step, order)
         self.beat.beat(step, "saving")
         final = self._save_final()
+        if self.snapshots is not None:
+            self.snapshots.close(completed=True)
         self.report.reason = "completed"
         self.report.message = f"completed {step} steps; final model in {final}{self._save_best(step)}"
 
@@ -490,6 +513,16 @@ class Trainer:
     # -------------------------------------------------------------- outputs
     def _save_checkpoint(self, step: int, order: BatchOrder, wait: bool = True) -> None:
         """Collective. With training.async_save, training resumes after the snapshot unless `wait`."""
+        state = self._checkpoint_state(step, order)
+        started = time.perf_counter()
+        self.beat.beat(step, "saving")
+        try:
+            self._save(step, state, wait, started)
+        finally:
+            self.beat.beat(step, "training", writing=self.saves is not None and self.saves.busy)
+
+    def _checkpoint_state(self, step: int, order: BatchOrder) -> dict:
+        """What trainer_state.json keeps of `step`, in a checkpoint and in a peer snapshot alike."""
         epoch, consumed = divmod(step, order.steps_per_epoch)
         state = {
             "epoch": epoch,
@@ -504,12 +537,7 @@ class Trainer:
         }
         if self.best is not None:  # keep_best: what a resume compares the next eval loss with
             state.update(best=self.best.as_state(), evaluated_step=self._evaluated_step)
-        started = time.perf_counter()
-        self.beat.beat(step, "saving")
-        try:
-            self._save(step, state, wait, started)
-        finally:
-            self.beat.beat(step, "training", writing=self.saves is not None and self.saves.busy)
+        return state
 
     def _save(self, step: int, state: dict, wait: bool, started: float) -> None:
         if self.saves:
