@@ -28,6 +28,11 @@ def test_plot_draws_every_segment_with_its_end_and_the_goodput(stopped_and_resum
     # `jobgen status` also says where each segment's time to its first new step went.
     phases = {"imports", "process group", "model load", "deepspeed init", "checkpoint load", "first step"}
     assert all(s["startup_seconds"] > 0 and phases <= set(s["startup"]) for s in status["segments"]), status["segments"]
+    # The restart's cost, drawn under it: status's figures, its start-up among them.
+    assert data["interruptions"] == status["interruptions"] and len(data["interruptions"]) == 1
+    (restart,) = data["interruptions"]
+    assert restart["steps_trained_again"] == 0 and restart["seconds_to_first_new_step"] > 0
+    assert restart["start_up_seconds"] == status["segments"][1]["startup_seconds"]
     # The curves: the first segment's steps, then the second's from where it resumed to the end.
     first, second = data["segments"]
     assert first["steps"][0] == 1 and second["steps"][0] == second["first_step"] + 1 and second["steps"][-1] == STEPS

@@ -113,3 +113,32 @@ def test_a_node_powered_off_between_checkpoints_loses_at_most_one_step_and_resum
         assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
     # A completed run leaves nothing in memory.
     assert not list((memory / "a").glob("jobgen-snapshots-*/*/a"))
+
+
+def test_each_rank_sends_to_its_place_on_the_next_node_and_keeps_the_previous_nodes():
+    nodes = ["cn1", "cn1", "cn2", "cn2", "cn3", "cn3"]
+    assert [peer_snapshot.ring_neighbours(nodes, r) for r in range(6)] == [(2, 4), (3, 5), (4, 0), (5, 1), (0, 2), (1, 3)]
+    assert peer_snapshot.ring_neighbours(["cn1", "cn1"], 1) == (None, None)  # one node: nobody else to hold them
+
+
+def test_the_newest_step_held_whole_and_newer_than_the_disk_is_chosen():
+    held = {(7, 0, 2): 0, (7, 1, 2): 0, (8, 0, 2): 0, (6, 0, 2): 1, (6, 1, 2): 1}
+    assert peer_snapshot.choose(held, disk=4) == (7, 2)  # step 8 lacks rank 1: a node lost before it arrived
+    assert peer_snapshot.choose(held, disk=7) == (None, None)  # the disk is as new
+    assert peer_snapshot.choose(held, disk=None) == (7, 2)
+    # Another world's snapshots (a resize) are whole only with every rank of that world.
+    assert peer_snapshot.choose({(9, 0, 4): 0, (9, 1, 4): 0, (9, 2, 4): 2}, disk=None) == (None, None)
+
+
+def test_another_runs_snapshots_and_pieces_a_kill_left_are_removed(tmp_path):
+    mine = peer_snapshot.snapshot_name(5, 1, 2, "aa")
+    for name in (mine, peer_snapshot.snapshot_name(5, 0, 2, "bb"), f".{peer_snapshot.snapshot_name(6, 0, 2, 'aa')}.x1y2.tmp",
+                 "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert peer_snapshot.inventory(str(tmp_path), "aa") == {(5, 1, 2): str(tmp_path / mine)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, "notes.txt"])  # not ours to judge: left alone
+    for step in (6, 7):
+        (tmp_path / peer_snapshot.snapshot_name(step, 0, 2, "aa")).write_bytes(b"x")
+    peer_snapshot.prune(str(tmp_path), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "notes.txt") == [
+        peer_snapshot.snapshot_name(6, 0, 2, "aa"), peer_snapshot.snapshot_name(7, 0, 2, "aa")]

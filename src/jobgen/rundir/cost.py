@@ -27,6 +27,12 @@ def interruptions(segments: list[dict[str, Any]], records: list[dict[str, Any]])
             "steps_trained_again": max(0, before["last_step"] - after["first_step"]),
             "seconds_to_first_new_step": _since(last_seen, logged_after.get(after["first_step"] + 1)),
             "seconds_to_where_it_was": _since(last_seen, logged_after.get(max(before["last_step"], after["first_step"]) + 1)),
+            # Where the seconds to the first new step went: the stop (detection, the node's end),
+            # the wait for the next segment (a requeue, the queue), and its trainer's start-up.
+            "seconds_to_segment_end": _since(last_seen, _epoch(before.get("ended_at"))),
+            "seconds_to_next_start": _since(_epoch(before.get("ended_at")), _epoch(after.get("started_at"))),
+            "start_up_seconds": after.get("startup_seconds"),
+            "start_up": after.get("startup"),
         })
     return found
 
@@ -46,8 +52,35 @@ def format_lines(found: list[dict[str, Any]]) -> list[str]:
             seconds.append(f"first new step after {cost['seconds_to_first_new_step']:.0f} s")
         if again and cost["seconds_to_where_it_was"] is not None:
             seconds.append(f"past step {cost['reached']} after {cost['seconds_to_where_it_was']:.0f} s")
+        if where := _where_it_went(cost):
+            seconds.append(where)
         lines.append(f"  restart {cost['restart']} of job {cost['job_id']}, after {cause}: {'; '.join([steps, *seconds])}")
     return lines
+
+
+def _where_it_went(cost: dict[str, Any]) -> str:
+    """'8 s to the segment's end, 0 s to the next start, 7.9 s start-up (imports 3.4, ...)'."""
+    parts = []
+    if cost.get("seconds_to_segment_end") is not None:
+        parts.append(f"{cost['seconds_to_segment_end']:.0f} s to the segment's end")
+    if cost.get("seconds_to_next_start") is not None:
+        parts.append(f"{cost['seconds_to_next_start']:.0f} s to the next start")
+    if cost.get("start_up_seconds") is not None:
+        phases = sorted((cost.get("start_up") or {}).items(), key=lambda item: -item[1])[:3]
+        largest = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases)
+        parts.append(f"{cost['start_up_seconds']:.1f} s start-up" + (f" ({largest}, ...)" if largest else ""))
+    return "where: " + ", ".join(parts) if parts else ""
+
+
+def _epoch(stamp: Optional[str]) -> Optional[float]:
+    from datetime import datetime
+
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _key(segment: dict[str, Any]) -> tuple[str, int]:

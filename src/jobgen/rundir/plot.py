@@ -20,7 +20,8 @@ from jobgen.errors import JobgenError
 from jobgen.files import write_output
 from jobgen.rundir.run import find_run
 from jobgen.rundir.metrics import metrics
-from jobgen.rundir.status import KILLED, _epoch, goodput, killed_from_metrics, pair_segments
+from jobgen.rundir import cost
+from jobgen.rundir.status import KILLED, _epoch, attach_startups, goodput, killed_from_metrics, pair_segments
 
 OUTCOME_COLOURS = {"completed": "tab:green", "preempted": "tab:orange", "time_limit": "tab:purple",
                    "failed": "tab:red", "running or lost": "tab:gray", KILLED: "tab:brown"}
@@ -36,7 +37,8 @@ def plot_data(target: str) -> dict[str, Any]:
     settings = run.settings()
     launch = settings.get("launch") if isinstance(settings.get("launch"), dict) else {}
     own = bool(launch.get("command"))
-    mine_of = own_program_records(segments, run) if own else records_by_segment(segments, metrics(run.path))
+    records = [] if own else metrics(run.path)
+    mine_of = own_program_records(segments, run) if own else records_by_segment(segments, records)
     entries = []
     for i, segment in enumerate(segments):
         mine = mine_of[i]
@@ -53,7 +55,9 @@ def plot_data(target: str) -> dict[str, Any]:
         })
     if own:  # its training time is the program's own: jobgen sees only how long the nodes were held
         return {"run_dir": str(run.path), "goodput": None, "goodput_unknown": OWN_GOODPUT, "segments": entries}
-    return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries}
+    # What each restart cost, as `jobgen status` says it: steps trained again, seconds and where they went.
+    lost = cost.interruptions(attach_startups(segments, run.path), records)
+    return {"run_dir": str(run.path), "goodput": goodput(segments), "segments": entries, "interruptions": lost}
 
 
 OWN_GOODPUT = "n/a: an own program (launch.command) tells jobgen no training time"
@@ -138,6 +142,15 @@ def draw(data: dict[str, Any]) -> bytes:
         colour = OUTCOME_COLOURS.get(segment["outcome"], "tab:brown")
         timeline.barh(0, width, left=left, color=colour, edgecolor="black", height=0.6)
         timeline.annotate(segment["outcome"].replace("_", " "), (left + width / 2, 0), ha="center", va="center", fontsize=8)
+    starts = {(str(s["job_id"]), s["restart"]): (_epoch(s["started_at"]) - origin) / 60 for s in data["segments"]}
+    for lost in data.get("interruptions") or []:  # under each restart: its steps trained again and seconds
+        left = starts.get((str(lost["job_id"]), lost["restart"]))
+        if left is None:
+            continue
+        first = lost["seconds_to_first_new_step"]
+        said = f"{lost['steps_trained_again']} step(s) again" + (f", new step after {first:.0f} s" if first is not None else "")
+        timeline.annotate(said, (left, -0.45), ha="left", va="top", fontsize=7, color="dimgray")
+    timeline.set_ylim(-1, 0.5)
     timeline.set_yticks([])
     timeline.set_xlabel("minutes since the first segment started")
     goodput_value = data["goodput"]
