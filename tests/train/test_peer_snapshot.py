@@ -142,3 +142,14 @@ def test_another_runs_snapshots_and_pieces_a_kill_left_are_removed(tmp_path):
     peer_snapshot.prune(str(tmp_path), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "notes.txt") == [
         peer_snapshot.snapshot_name(6, 0, 2, "aa"), peer_snapshot.snapshot_name(7, 0, 2, "aa")]
+
+
+def test_a_node_that_cannot_keep_snapshots_trains_without_them_and_says_so_once(make_job, tools, tmp_path):
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    job = make_job("no-memory", epochs=1)
+    done = tools.train(job, JOBGEN_SNAPSHOT_DIR=str(not_a_folder))
+    assert done.returncode == 0, done.stdout
+    said = [line for line in done.stdout.splitlines() if "no snapshots in this segment" in line]
+    assert len(said) == 1 and "set JOBGEN_SNAPSHOT_DIR to a node-local folder it can write" in said[0], done.stdout
+    assert tools.exit_report(job.parent)["reason"] == "completed"

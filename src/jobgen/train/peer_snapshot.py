@@ -82,7 +82,6 @@ class PeerSnapshots:
         import torch.distributed
 
         self.dist, self.folder, self.token = dist, folder, token
-        _make_private(folder)
         self.peer, self.source = ring_neighbours(dist.all_gather_object(node), dist.rank)
         self._group = torch.distributed.new_group(backend="gloo", timeout=dist.timeout)
         self._thread: Optional[threading.Thread] = None
@@ -291,11 +290,18 @@ def _write_file(path: str, data: bytes) -> None:
     replace_atomically(path, data, mode=0o600)  # whole or not at all: a kill leaves only a temporary file
 
 
-def _make_private(folder: str) -> None:
-    """The node's folder, under a per-user parent only its owner can read (a shared /dev/shm)."""
-    parent = os.path.dirname(os.path.dirname(folder))
-    os.makedirs(parent, mode=0o700, exist_ok=True)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+def usable_folder(folder: str) -> Optional[str]:
+    """Make the node's folder, under a per-user parent only its owner can read (a shared
+    /dev/shm); None, or why it cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.dirname(folder)), mode=0o700, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        probe = os.path.join(folder, ".probe")
+        replace_atomically(probe, b"", mode=0o600)
+        os.remove(probe)
+    except OSError as exc:
+        return f"{folder}: {exc.strerror or exc}"
+    return None
 
 
 def _remove(path: str) -> None:

@@ -119,12 +119,7 @@ class Trainer:
         try:
             store.remove_stale_temps()
             if t.snapshot_steps():
-                # A failure nobody announced: the newest step the nodes of this world hold whole,
-                # written out as a checkpoint if it is newer than the newest on disk.
-                node, token = health.node_name(), peer_snapshot.run_token(store)
-                folder = peer_snapshot.node_folder(self.p.output_dir, node)
-                peer_snapshot.promote(store, folder, token, node)
-                self.snapshots = PeerSnapshots(dist, folder, token, node)
+                self.snapshots = self._peer_snapshots(store)
             found = store.find_latest()
             if found is not None:
                 ckpt.check_compatible(found, self.p.config_digest, self._changed_fields(found))
@@ -247,6 +242,23 @@ class Trainer:
             log.info("global batch %d = %d ranks x micro-batch %d x %d accumulation", self.global_batch,
                      dist.world_size, self.micro, self.accumulation)
         self._loop(engine, batches, first_step, total_steps)
+
+    def _peer_snapshots(self, store: ckpt.CheckpointStore) -> Optional[PeerSnapshots]:
+        """Collective: first, after a failure nobody announced, the newest step the nodes of this
+        world hold whole, written out as a checkpoint if it is newer than the newest on disk; then
+        the snapshots of this run. None, said once, where a node cannot keep them."""
+        dist = self.dist
+        node = health.node_name()
+        folder = peer_snapshot.node_folder(self.p.output_dir, node)
+        problems = [p for p in dist.all_gather_object(peer_snapshot.usable_folder(folder)) if p]
+        if problems:
+            if dist.is_main:
+                log.warning("training.snapshot_every: no snapshots in this segment, as a node cannot keep them (%s); "
+                            "set JOBGEN_SNAPSHOT_DIR to a node-local folder it can write", problems[0])
+            return None
+        token = peer_snapshot.run_token(store)
+        peer_snapshot.promote(store, folder, token, node)
+        return PeerSnapshots(dist, folder, token, node)
 
     def _batches(self, tokenizer: Any) -> MicroBatches:
         """The prepared store, made by rank 0 (or found: a restart, `jobgen prepare`, another job),
