@@ -76,9 +76,12 @@ def run(workdir: Path, method: str, every: int, steps: int) -> dict:
             raise SystemExit(f"{method} snapshot_every {every} failed:\n" + (run_dir / "node-a.log").read_text()[-4000:])
     times = [json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
     walls = [b - a for a, b in zip(times, times[1:])][2:-1]
-    said = re.search(r"snapshots: (\d+) taken, (\d+) skipped .*?, ([\d.]+) MB a rank", (run_dir / "node-a.log").read_text())
+    said = re.search(r"snapshots: (\d+) taken, (\d+) skipped .*?, ([\d.]+) MB a rank(?:; training paused a median (\d+) ms "
+                     r"for each, kept and sent in (\d+) ms beside it \((\d+) ms of CPU\))?", (run_dir / "node-a.log").read_text())
     return {"step_s": walls, "taken": int(said[1]) if said else 0, "skipped": int(said[2]) if said else 0,
-            "mb_a_rank": float(said[3]) if said else 0.0}
+            "mb_a_rank": float(said[3]) if said else 0.0,
+            "paused_ms": int(said[4]) if said and said[4] else None, "kept_ms": int(said[5]) if said and said[5] else None,
+            "cpu_ms": int(said[6]) if said and said[6] else None}
 
 
 def main() -> None:
@@ -106,6 +109,10 @@ def main() -> None:
                 entry["taken"] += result["taken"]
                 entry["skipped"] += result["skipped"]
                 entry["mb_a_rank"] = result["mb_a_rank"]
+                if result["paused_ms"] is not None:
+                    entry.setdefault("paused_ms", []).append(result["paused_ms"])
+                    entry.setdefault("kept_ms", []).append(result["kept_ms"])
+                    entry.setdefault("cpu_ms", []).append(result["cpu_ms"])
     summary = {
         "command": "PYTHONPATH=src python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -114,7 +121,11 @@ def main() -> None:
         "model": f"Llama hidden {args.hidden_size}, {args.layers} layers; ZeRO-2, fp32, 2 nodes x 1 rank (gloo)",
         "variants": {name: {"median_step_s": round(statistics.median(e["step_s"]), 4), "steps_timed": len(e["step_s"]),
                             "snapshots_taken": e["taken"], "snapshots_skipped": e["skipped"],
-                            "snapshot_mb_a_rank": e["mb_a_rank"]} for name, e in figures.items()},
+                            "snapshot_mb_a_rank": e["mb_a_rank"],
+                            **({"paused_ms_median_of_runs": statistics.median(e["paused_ms"]),
+                                "kept_ms_median_of_runs": statistics.median(e["kept_ms"]),
+                                "thread_cpu_ms_median_of_runs": statistics.median(e["cpu_ms"])} if e.get("paused_ms") else {})}
+                 for name, e in figures.items()},
     }
     for method in args.methods.split(","):
         with_, without = (summary["variants"][f"{method} snapshot_every {e}"]["median_step_s"] for e in (1, 0))

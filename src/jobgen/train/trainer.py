@@ -456,9 +456,7 @@ class Trainer:
         if self.snapshots is not None:
             self.snapshots.wait()  # every peer is alive to finish its exchange; none left mid-way at exit
             if dist.is_main:
-                log.info("snapshots: %d taken, %d skipped (a rank's previous one still on its way), %.2f MB a rank%s",
-                         self.snapshots.taken, self.snapshots.skipped, self.snapshots.size / 1e6,
-                         f"; the first that failed: {self.snapshots.error}" if self.snapshots.error else "")
+                log.info("snapshots: %s", self.snapshots.summary())
         if stop:
             if self.report.checkpoint is None or not self.report.checkpoint.endswith(ckpt.step_name(step)):
                 self._save_checkpoint(step, order)  # stopped before any step ran, on a fresh start
