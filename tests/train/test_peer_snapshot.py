@@ -1,5 +1,5 @@
-"""Peer snapshots (training.snapshot_every): two nodes, one rank each, as two torchrun agents on
-this host with node names of their own and separate snapshot folders. SIGKILL of every process
+"""Peer snapshots (training.snapshot_every), LoRA and Q-LoRA: two nodes, one rank each, as two
+torchrun agents on this host with node names of their own and separate snapshot folders. SIGKILL of every process
 with no checkpoint on disk since step 0's start, and node b's memory gone with it (a power-off):
 the restart resumes from the newest step node a holds whole, at most one step before the last one
 trained, and ends bitwise equal to a run never interrupted.
@@ -23,6 +23,7 @@ from tests.helpers import free_port
 from tests.processes import descendants, signal_all
 
 SETTINGS = dict(epochs=2, save_interval=100, async_save=True)  # 12 steps; a checkpoint only at the last
+METHODS = {"lora": {}, "qlora": {"method": "qlora", "precision": "bf16"}}  # Q-LoRA: bitsandbytes' 4-bit on the CPU
 
 
 def two_nodes(job: Path, tools, snapshots: Path, **env: str) -> list[subprocess.Popen]:
@@ -51,10 +52,10 @@ def wait_all(procs: list[subprocess.Popen], job: Path, timeout: float = 300) -> 
     assert all(p.returncode == 0 for p in procs), logs[-6000:]
 
 
-def write_two_node_job(run_dir: Path, tiny: Path, tools) -> Path:
+def write_two_node_job(run_dir: Path, tiny: Path, tools, method: str = "lora") -> Path:
     import yaml
 
-    job = tools.write_job(run_dir, tiny, procs=1, **SETTINGS)
+    job = tools.write_job(run_dir, tiny, procs=1, **SETTINGS, **METHODS[method])
     text = yaml.safe_load(job.read_text())
     text["resources"]["nodes"] = 2
     job.write_text(yaml.safe_dump(text))
@@ -63,10 +64,18 @@ def write_two_node_job(run_dir: Path, tiny: Path, tools) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tools, tmp_path_factory):
-    root = tmp_path_factory.mktemp("peer")
-    job = write_two_node_job(root / "straight", tiny, tools)
-    wait_all(two_nodes(job, tools, root / "memory"), job)
-    return tools.adapter_weights(job.parent / "output")
+    """uninterrupted(method): the adapter of a run of it never interrupted (made once)."""
+    made: dict = {}
+
+    def of(method: str) -> dict:
+        if method not in made:
+            root = tmp_path_factory.mktemp(f"peer-{method}")
+            job = write_two_node_job(root / "straight", tiny, tools, method)
+            wait_all(two_nodes(job, tools, root / "memory"), job)
+            made[method] = tools.adapter_weights(job.parent / "output")
+        return made[method]
+
+    return of
 
 
 def logged_steps(output: Path) -> list[int]:
@@ -74,10 +83,12 @@ def logged_steps(output: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.parametrize("method", METHODS)
 def test_a_node_powered_off_between_checkpoints_loses_at_most_one_step_and_resumes_bitwise(
-    uninterrupted, tiny, tools, tmp_path
+    method, uninterrupted, tiny, tools, tmp_path
 ):
-    job = write_two_node_job(tmp_path / "run", tiny, tools)
+    reference = uninterrupted(method)
+    job = write_two_node_job(tmp_path / "run", tiny, tools, method)
     output, memory = job.parent / "output", tmp_path / "memory"
     procs = two_nodes(job, tools, memory, JOBGEN_DEBUG_STEP_DELAY="0.4")
     deadline = time.monotonic() + 240
@@ -108,8 +119,8 @@ def test_a_node_powered_off_between_checkpoints_loses_at_most_one_step_and_resum
     assert "snapshot of step" in logs and "held in the memory of a" in logs, logs[-4000:]
     assert not from_memory or from_memory[0]["written_from"] == "snapshot held in the memory of a"
     final = tools.adapter_weights(output)
-    assert final.keys() == uninterrupted.keys()
-    for name, tensor in uninterrupted.items():
+    assert final.keys() == reference.keys()
+    for name, tensor in reference.items():
         assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
     # A completed run leaves nothing in memory.
     assert not list((memory / "a").glob("jobgen-snapshots-*/*/a"))
