@@ -762,7 +762,7 @@ class Training(_Strict):
     snapshot_every: Optional[int] = Field(
         None, ge=0, examples=[1],
         description="optimizer steps between snapshots of the trainable state kept in host memory on this node and "
-        "the next (lora, qlora: a few MB a rank); after a failure nobody announced (a killed or hung rank, a node "
+        "the next (a rank's share of the adapter's weights and optimizer state, twice); after a failure nobody announced (a killed or hung rank, a node "
         "powered off) the run resumes from the newest step the surviving nodes hold whole, when it is newer than the "
         "newest checkpoint. Default 1 for lora and qlora, 0 (none) for full, whose state is the whole model's",
     )
