@@ -312,7 +312,7 @@ def test_jobgen_slurm_a_spare_that_died_idle_is_not_chosen_when_a_worker_fails_l
     job = training(cluster)
     job["resources"]["spare_nodes"] = 2
     # Slow steps: the spare must be DOWN (SlurmdTimeout, 30 s) before the worker fails mid-run.
-    job_id, run_dir = submit(cluster, "dead-spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "5"})
+    job_id, run_dir = submit(cluster, "dead-spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "8"})
     wait_for(lambda: any(step >= 1 for step in trained_steps(run_dir)), "step 1", 300)
     assert job_state(cluster, job_id)["NodeList"] == "cn[001-004]"
     powered_off.append("cn003")  # the first spare
