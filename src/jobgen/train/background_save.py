@@ -45,15 +45,8 @@ class BackgroundSaves:
         self.wait()
         waited = time.perf_counter() - waited
         temp = self.store.fresh_temp(step)
-        capture = _CapturingEngine(engine.checkpoint_engine)
-        engine.checkpoint_engine = capture
-        try:
-            engine.save_checkpoint(temp, tag=ckpt.DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
-        finally:
-            engine.checkpoint_engine = capture.inner
-        # Already a host copy: written by the same engine as DeepSpeed's files (torch.save).
-        capture.captured.append((reshard.shard_path(temp, self.dist.rank), reshard.local_shard(engine, self.dist.rank)))
-        job = _InFlight(step, temp, capture.inner, capture.captured, time.perf_counter())
+        inner, captured = capture_state(engine, temp, self.dist.rank)
+        job = _InFlight(step, temp, inner, captured, time.perf_counter())
         job.rng = (self.store.rng_path(temp), ckpt.rng_states())
         if self.dist.is_main:
             job.trainer_state = copy.deepcopy(dict(state, step=step, world_size=self.dist.world_size))
@@ -133,6 +126,21 @@ class BackgroundSaves:
                 ckpt.fsync_file(full)
                 files[name] = {"size": os.path.getsize(full), "sha256": ckpt.sha256_file(full)}
         return self.store.commit(job.temp, job.step, job.trainer_state["config_digest"], dict(sorted(files.items())))
+
+
+def capture_state(engine: Any, directory: str, rank: int) -> tuple[Any, list]:
+    """Collective (DeepSpeed's save has barriers): this rank's share of a checkpoint in `directory`
+    as host copies, nothing written: [(path, state)] of DeepSpeed's files and the universal shard,
+    and DeepSpeed's own checkpoint engine, which writes them in its format."""
+    capture = _CapturingEngine(engine.checkpoint_engine)
+    engine.checkpoint_engine = capture
+    try:
+        engine.save_checkpoint(directory, tag=ckpt.DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
+    finally:
+        engine.checkpoint_engine = capture.inner
+    # Already a host copy: written by the same engine as DeepSpeed's files (torch.save).
+    capture.captured.append((reshard.shard_path(directory, rank), reshard.local_shard(engine, rank)))
+    return capture.inner, capture.captured
 
 
 @dataclass

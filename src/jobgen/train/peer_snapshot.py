@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -38,8 +39,7 @@ from typing import Any, Optional
 
 from jobgen.files import replace_atomically
 from jobgen.train import checkpoint as ckpt
-from jobgen.train import reshard
-from jobgen.train.background_save import NICENESS, _CapturingEngine
+from jobgen.train.background_save import NICENESS, capture_state
 
 log = logging.getLogger("jobgen.train")
 
@@ -103,22 +103,14 @@ class PeerSnapshots:
         started = time.perf_counter()
         rank = self.dist.rank
         staging = os.path.join(self.folder, f".staging-{rank:05d}")
-        capture = _CapturingEngine(engine.checkpoint_engine)
-        engine.checkpoint_engine = capture
-        try:
-            engine.save_checkpoint(staging, tag=ckpt.DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
-        finally:
-            engine.checkpoint_engine = capture.inner
-        files = [(os.path.relpath(path, staging), value) for path, value in capture.captured]
-        files.append((os.path.relpath(reshard.shard_path(staging, rank), staging), reshard.local_shard(engine, rank)))
+        _, captured = capture_state(engine, staging, rank)
+        files = [(os.path.relpath(path, staging), value) for path, value in captured]
         files.append((f"rng/rank-{rank:05d}.pt", ckpt.rng_states()))
         if self._written_by_deepspeed is None:  # rank 0: zero_to_fp32.py, the same every time: read once
             self._written_by_deepspeed = _read_all(staging)
         written = dict(self._written_by_deepspeed)
         if self.dist.is_main:
             trainer_state = dict(state, step=step, world_size=self.dist.world_size)
-            import json
-
             written[ckpt.TRAINER_STATE] = (json.dumps(trainer_state, indent=2) + "\n").encode()
         self._thread = threading.Thread(target=self._keep, args=(step, files, written), name=f"snapshot-{step}",
                                         daemon=True)
@@ -239,8 +231,6 @@ def promote(store: ckpt.CheckpointStore, folder: str, token: str, node: str) -> 
         return None
     digest = None
     if dist.is_main:
-        import json
-
         with open(os.path.join(temp, ckpt.TRAINER_STATE), encoding="utf-8") as handle:
             digest = json.load(handle)["config_digest"]
     holders = sorted({gathered[rank][0] for (s, _, w), rank in holder.items() if (s, w) == (step, world)})
