@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any
 
 from jobgen.errors import UserError
@@ -33,7 +34,14 @@ def shard_path(checkpoint: str, rank: int) -> str:
 
 
 def _trainable(engine: Any) -> list:
-    return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    """[(name, parameter)] that train, found once per engine: walking the model's modules took
+    milliseconds of every peer snapshot's pause, and which parameters train does not change."""
+    if engine not in _TRAINABLE:
+        _TRAINABLE[engine] = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    return _TRAINABLE[engine]
+
+
+_TRAINABLE: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 
 
 def _state_keys(engine: Any) -> list[str]:
