@@ -229,19 +229,26 @@ def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault, env
 def test_jobgen_slurm_a_worker_powered_off_while_it_writes_a_checkpoint_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(
         slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
     # Node 1 goes down with its part of step 8's checkpoint unwritten (its write held 5 s; the
-    # default asynchronous save, so training goes on beside it): the half-written checkpoint is not
-    # taken; the restart resumes from step 7, whose snapshot node 0 holds for both ranks (no
-    # snapshot is taken at a checkpoint's step), and trains step 8 again.
+    # default asynchronous save, so training goes on beside it), once node 0 holds node 1's
+    # snapshot of step 8 (a step saved in the background is snapshotted too): the half-written
+    # checkpoint is not taken; the restart resumes from step 8, held in node 0's memory.
     powered_off.append("cn002")
-    in_the_write = ("node 1 inside its write of step 8's checkpoint",
-                    lambda run_dir: (run_dir / "output" / "debug-save-pause-write-rank1").exists())
+
+    def in_the_write(run_dir: Path) -> bool:
+        token = run_dir / "output" / "checkpoints" / ".snapshot-token"
+        return ((run_dir / "output" / "debug-save-pause-write-rank1").exists() and token.exists() and any(
+            Path("/dev/shm").glob(f"jobgen-snapshots-*/*/cn001/step-000008.rank-00001.of-00002.{token.read_text().strip()}")))
+
     run_dir, first, second, failed_at = worker_replaced_by_the_spare(
         slurm_on_hosts, "power-off-in-save", reference, lambda cluster, node: cluster.power_off(node),
-        env={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"}, when=in_the_write)
-    assert second["first_step"] == 7, second
+        env={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"},
+        when=("node 1 inside its write of step 8's checkpoint, its snapshot of step 8 in node 0's memory", in_the_write))
+    assert second["first_step"] == 8, second
+    assert not (run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json").exists() or "written_from" in json.loads(
+        (run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json").read_text())
     status = slurm_on_hosts.on_login([sys.executable, "-m", "jobgen.cli", "status", "runs/power-off-in-save"]).stdout
     cost = next((line.strip() for line in status.splitlines() if "after node_failed (cn002)" in line), status)
-    assert cost.startswith("restart 1 of job ") and ": 1 step(s) trained again (8); first new step after " in cost, cost
+    assert cost.startswith("restart 1 of job ") and ": no step trained again; first new step after " in cost, cost
     print(f"power-off of a worker in its checkpoint write, spare in the allocation: "
           f"{restart_figures(run_dir, first, second, failed_at)}; jobgen status: {cost}")
 

@@ -11,15 +11,16 @@ from typing import Union
 from jobgen.errors import JobgenError
 
 
-def replace_atomically(path: Union[str, Path], text: Union[str, bytes], mode: int = 0o644, durable: bool = False) -> None:
-    """`path` holds `text`, whole or not at all; `durable` also waits for the disk. The temporary
-    name comes from mkstemp, not the pid: pids repeat across the nodes that share a run directory.
-    Raises OSError."""
+def replace_atomically(path: Union[str, Path], text: Union[str, bytes, list], mode: int = 0o644, durable: bool = False) -> None:
+    """`path` holds `text` (or a list of buffers, one after the other), whole or not at all;
+    `durable` also waits for the disk. The temporary name comes from mkstemp, not the pid: pids
+    repeat across the nodes that share a run directory. Raises OSError."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(text.encode("utf-8") if isinstance(text, str) else text)
+            for piece in text if isinstance(text, list) else [text.encode("utf-8") if isinstance(text, str) else text]:
+                handle.write(piece)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())

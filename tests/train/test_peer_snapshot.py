@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobgen.train import peer_snapshot
+from jobgen.train import peer_snapshot, snapshot_file
 from tests.helpers import free_port
 from tests.processes import descendants, signal_all
 
@@ -124,6 +124,38 @@ def test_a_node_powered_off_between_checkpoints_loses_at_most_one_step_and_resum
         assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
     # A completed run leaves nothing in memory.
     assert not list((memory / "a").glob("jobgen-snapshots-*/*/a"))
+
+
+def test_a_snapshot_file_gives_back_every_state_as_it_was_and_a_cut_one_is_refused():
+    from collections import OrderedDict
+
+    states = {
+        "optimizer": OrderedDict(flat=torch.randn(300), step=torch.tensor(7), empty=torch.zeros(0, 3, dtype=torch.bfloat16)),
+        "module": [torch.randn(5, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bool), torch.arange(4).reshape(2, 2).t()],
+        "rng": {"cpu": torch.get_rng_state(), "python": (3, tuple(range(5)), None)},
+        "scalars": {"epoch": 1, "shape": torch.Size([2, 3]), "dtype": torch.float16, "text": b"#!/usr/bin/env python\n"},
+    }
+    data = b"".join(bytes(piece) for piece in snapshot_file.pieces(states))
+    back = snapshot_file.load(bytearray(data))
+
+    def same(a, b):
+        assert type(a) is type(b), (a, b)
+        if isinstance(a, torch.Tensor):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), (a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for key in a:
+                same(a[key], b[key])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(states, back)
+    with pytest.raises(ValueError, match="not a whole snapshot"):
+        snapshot_file.load(bytearray(data[:-1]))  # a write cut short is never taken for a snapshot
 
 
 def test_each_rank_sends_to_its_place_on_the_next_node_and_keeps_the_previous_nodes():

@@ -442,9 +442,13 @@ class Trainer:
                     })
                     self.beat.beat(step, "training", writing=writing)
                     interval = dict.fromkeys(interval, 0.0)
-                if stop or step % t.save_interval == 0 or step == total_steps or new_best:
-                    self._save_checkpoint(step, order, wait=stop or step == total_steps)
-                elif self.snapshots is not None and step % t.snapshot_steps() == 0:
+                saved, last = stop or step % t.save_interval == 0 or step == total_steps or new_best, stop or step == total_steps
+                if saved:
+                    self._save_checkpoint(step, order, wait=last)
+                # A checkpoint written in the background holds its step only once committed: a node
+                # lost before then would cost that step, unless its snapshot is held too.
+                in_background = saved and not last and self.saves is not None
+                if self.snapshots is not None and (in_background or (not saved and step % t.snapshot_steps() == 0)):
                     if max(row[9] for row in rows):  # a rank's previous snapshot is still on its way: never wait
                         self.snapshots.skipped += 1
                     else:
