@@ -95,3 +95,105 @@ def test_stand_in_pbs_mpiexec_starts_each_node_on_its_own_host(separate_hosts, t
     assert result.returncode == 0, result.stdout[-3000:] + jobgen("logs", str(run_dir), "--node", "1").stdout[-3000:]
     records = probe_records(run_dir)
     assert [(record["hostname"], record["all_reduce_sum"]) for record in records] == [("host1", 3), ("host2", 3)]
+
+
+LISTEN = ("import sys, time\n"
+          "from jobgen.train.reachability import Listener\n"
+          "listener = Listener.toward(sys.argv[1])\n"
+          "print(*listener.address, flush=True)\n"
+          "time.sleep(600)\n")
+PROBE = ("import json, sys, time\n"
+         "from jobgen.train.reachability import unanswered\n"
+         "started = time.monotonic()\n"
+         "silent = unanswered({1: (sys.argv[1], int(sys.argv[2]))})\n"
+         "print(json.dumps([sorted(silent), round(time.monotonic() - started, 2)]))\n")
+
+
+def test_a_node_answers_the_hang_supervisors_probe_stopped_or_not_and_stops_answering_when_its_link_goes_down(
+        separate_hosts) -> None:
+    # What the hang supervisors tell a powered-off or cut-off node by (jobgen.train.reachability):
+    # its listener, on the interface toward the master, answers while the host is on the network,
+    # even with its process stopped (the kernel answers), and nothing comes back once the link is down.
+    import json
+    import signal
+    import sys
+
+    from tests.cluster.hosts import link_down, link_up
+
+    host1, host2 = separate_hosts.hosts
+    listener = host2.popen([sys.executable, "-c", LISTEN, host1.address], stdout=subprocess.PIPE, text=True)
+    try:
+        address, port = listener.stdout.readline().split()
+        assert address == host2.address  # not the decoy interface, which routes nowhere
+
+        def probe() -> tuple[list[int], float]:
+            return tuple(json.loads(on(host1, sys.executable, "-c", PROBE, address, port)))
+
+        assert probe()[0] == []
+        listener.send_signal(signal.SIGSTOP)
+        assert probe()[0] == []
+        link_down(host2)
+        try:
+            silent, took = probe()
+        finally:
+            link_up(host2)
+        assert silent == [1] and took <= 2.5, (silent, took)
+        assert probe()[0] == []
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+def test_a_hang_supervisor_names_a_powered_off_peer_as_unreachable_within_15_s_not_after_the_60_s_floor(
+        separate_hosts, tmp_path: Path) -> None:
+    # Two real supervisors, node 0 on host1 and node 1 on host2, each with a stepping rank (the
+    # ranks keep step with each other: one waits while the other is gone). host2's link goes down,
+    # then its job's processes are killed (its sshd, which other tests use, is kept): nothing it
+    # published says it stopped, so before the probes node 0 waited for the 60 s floor and the
+    # node's silence. Now it is named in about the quick floor (10 s), as not answering.
+    import json
+    import signal
+    import sys
+    import time
+
+    from tests.cluster.hosts import link_down, link_up
+    from tests.train.test_health_hang_units import STEPPING_RANK, SUPERVISOR
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    peers = run_dir / "pids"
+    nodes = []
+    for rank, host in enumerate(separate_hosts.hosts):
+        env = dict(os.environ, JOBGEN_RUN_DIR=str(run_dir), JOBGEN_JOB_ID="21", JOBGEN_RESTART_COUNT="0",
+                   NODE_RANK=str(rank), NNODES="2", MASTER_ADDR=separate_hosts.hosts[0].address)
+        for key in ("JOBGEN_HEARTBEAT_DIR", "JOBGEN_HANG_SECONDS"):
+            env.pop(key, None)
+        nodes.append(host.popen([sys.executable, "-c", SUPERVISOR, "0", STEPPING_RANK, json.dumps({"PUBLISH_EVERY": 5.0}),
+                                 str(peers)], env=env, stdout=subprocess.PIPE, text=True))
+    ranks = [int(node.stdout.readline()) for node in nodes]
+    peers.write_text(" ".join(map(str, ranks)))
+    host2 = separate_hosts.hosts[1]
+    try:
+        time.sleep(12)  # steady training: the step times known, each node's summary read with its address
+        summary = json.loads((run_dir / "heartbeat" / "node-1.json").read_text())
+        assert summary["probe"][0] == host2.address, summary
+        off_at = time.time()
+        link_down(host2)
+        for pid in (ranks[1], nodes[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        assert nodes[0].wait(timeout=60) == 0  # its rank ended by its supervisor
+    finally:
+        link_up(host2)
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for node in nodes:
+            node.kill()
+            node.wait()
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert (hang["cause"], hang["nodes"], hang["ranks"], hang["node_ranks"]) == ("unreachable", "node1", [1], [1]), hang
+    assert "node node1 (rank 1) does not answer on the network (powered off, or cut off)" in hang["message"], hang
+    assert hang["at"] - off_at <= 15, hang
+    print(f"a peer powered off: named by the hang supervisor as not answering {hang['at'] - off_at:.1f} s after")

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from jobgen.rundir.files import HANG, HEARTBEATS, rank_log
+from jobgen.train.reachability import Listener, Prober, probe_address
 
 log = logging.getLogger("jobgen.train")
 
@@ -57,6 +58,7 @@ FOLLOW_EVERY = 5.0  # a node that reads no summaries looks for hang.json this of
 AGGREGATORS = 2  # nodes 0 and 1 read every summary: one frozen reader does not blind the job
 NODE_SILENT = 30.0  # at least: a node whose summary has not changed this long is frozen or gone, its supervisor with it
 STACK_SECONDS = 2.0  # for a signalled rank to write its stack
+UNREACHABLE_PROBES = 2  # failed in a row (reachability.PROBE_EVERY apart): a node that does not answer on the network
 
 
 def read_every(nnodes: int) -> float:
@@ -250,6 +252,15 @@ def describe_hang(seconds: float, bound: float, step: int, culprits: list[dict[s
     return f"no progress for {seconds:.0f} s (bound {bound:.0f} s) after step {step}; stopped first: {who}"
 
 
+def describe_unreachable(seconds: float, step: int, ranks: list[dict[str, Any]]) -> str:
+    """One line: "node cn002 (rank 1) does not answer on the network (powered off, or cut off); no progress for 11 s after step 9"."""
+    nodes = sorted({r.get("node", "?") for r in ranks})
+    numbers = ", ".join(str(r["rank"]) for r in sorted(ranks, key=lambda r: r["rank"]))
+    who = f"node{'s' if len(nodes) > 1 else ''} {' '.join(nodes)} (rank{'s' if len(ranks) > 1 else ''} {numbers})"
+    return (f"{who} {'do' if len(nodes) > 1 else 'does'} not answer on the network (powered off, or cut off); "
+            f"no progress for {seconds:.0f} s after step {step}")
+
+
 # ------------------------------------------------------------ supervisor
 def process_state(pid: int) -> Optional[str]:
     """'R', 'S', 'T' (stopped), ... from /proc; None when the process is gone."""
@@ -279,6 +290,9 @@ class Supervisor:
     _seq: int = 0
     bound: Optional[float] = None  # the bound this node last applied (an aggregating one), for people
     longest_pause: Optional[float] = None  # of its ranks' recent pauses in training, for people
+    listener: Optional[Listener] = None  # answers the other nodes' probes (reachability.py)
+    prober: Optional[Prober] = None
+    _asked_seq: dict = field(default_factory=dict)  # node rank -> its sequence number when first probed
 
     @classmethod
     def from_env(cls) -> Optional["Supervisor"]:
@@ -301,11 +315,17 @@ class Supervisor:
         return os.path.join(self.run_dir, HEARTBEATS)
 
     def start(self) -> "Supervisor":
+        if self.nnodes > 1 and os.environ.get("MASTER_ADDR"):
+            self.listener = Listener.toward(os.environ["MASTER_ADDR"])
+            self.prober = Prober(self.now)
         threading.Thread(target=self._run, name="jobgen-hang-supervisor", daemon=True).start()
         return self
 
     def close(self) -> None:
         self._stop.set()
+        for part in (self.listener, self.prober):
+            if part is not None:
+                part.close()
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
     # -- reading
@@ -339,7 +359,7 @@ class Supervisor:
         self._seq += 1  # what readers time: "at" is for people, the nodes' clocks differ
         summary = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
                    "at": time.time(), "stalled": stalled, "bound": self.bound, "longest_pause": self.longest_pause,
-                   "ranks": ranks}
+                   "ranks": ranks, "probe": list(self.listener.address) if self.listener else None}
         try:
             replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"), json.dumps(summary))
         except OSError:
@@ -378,13 +398,45 @@ class Supervisor:
         a summary is what its ranks are doing now, and who stopped first can be told without
         waiting for a node to turn silent. A node that has said nothing of the kind (powered off,
         cut off, frozen whole) holds the bound until it is silent."""
+        return not self.unreported()
+
+    def unreported(self) -> list[int]:
+        """The other nodes whose summary, as last read, says neither that their ranks are still
+        nor that some are not alive (`everyone_reported`)."""
+        silent = []
         for k in range(self.nnodes):
             if k == self.node_rank:
                 continue
             node = self._last_read.get(k)
             if node is None or not (node.get("stalled") or not all(rank.get("alive", True) for rank in node["ranks"])):
-                return False
-        return True
+                silent.append(k)
+        return silent
+
+    def unreachable(self, asking: bool) -> list[int]:
+        """The nodes that do not answer on the network (powered off, or cut off) while the job
+        waits. Asked only while `asking` (the job still for longer than its usual pause: a job
+        that trains probes nothing but each node once), of every other node, whatever its last
+        summary said (a node that reported its ranks still may have gone down since). A node
+        counts once it has failed UNREACHABLE_PROBES probes in a row and published nothing since
+        it was first asked about."""
+        if self.prober is None:
+            return []
+        known = {}
+        for k in range(self.nnodes):
+            address = probe_address(self._last_read.get(k) or {}) if k != self.node_rank else None
+            if address:
+                known[k] = address
+        self.prober.learn(known)  # does each answer at all (`Prober`)
+        asked = known if asking else {}
+        self.prober.ask(asked)
+        # Each node's summary as it was when first asked about: one published since is an answer.
+        self._asked_seq = {k: self._asked_seq.get(k, self._seen.get(k, (None,))[0]) for k in asked}
+        lost = []
+        for k in asked:
+            failed = self.prober.unreachable(k)
+            if failed and failed[1] >= UNREACHABLE_PROBES and self._seen.get(k, (None,))[0] == self._asked_seq[k]:
+                lost.append(k)
+        return lost
 
     def all_ranks(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ranks = list(mine)
@@ -499,21 +551,33 @@ class Supervisor:
                 # Someone has said nothing since: wait until it is silent, so that it is named.
                 bound = max(bound, node_silent(self.nnodes) if self.override else FLOOR_SECONDS)
             self.bound = round(bound, 1)
-            if now - last_change > bound:
+            # A node that does not answer on the network cannot be waited for, whatever the phase's
+            # bound: it is named once the job has waited the quick floor (or requeue.hang_seconds).
+            lost = self.unreachable(now - last_change >= still_seconds(pauses))
+            if lost and now - last_change >= max(QUICK_FLOOR_SECONDS, self.override or 0.0):
+                bound = max(QUICK_FLOOR_SECONDS, self.override or 0.0)
+                culprits = [dict(r, state="unreachable") for k in lost for r in self._last_read[k]["ranks"]]
+                message = describe_unreachable(now - last_change, step, culprits)
+                extra = {"cause": "unreachable", "node_ranks": lost}
+            elif now - last_change > bound:
                 culprits = stopped_first(ranks)
-                world = len(ranks)
-                finding = {
-                    "job_id": self.job_id, "restart": self.restart, "detected_by_node": self.node_rank,
-                    "at": time.time(), "seconds_without_progress": round(now - last_change, 1), "bound_seconds": round(bound, 1),
-                    "phase": phase, "step": step, "ranks": sorted(r["rank"] for r in culprits),
-                    "nodes": " ".join(sorted({r["node"] for r in culprits})) if len(culprits) < world else "",
-                    "message": describe_hang(now - last_change, bound, step, culprits, world),
-                    "pauses_recent": [round(s, 2) for s in pauses[-5:]],
-                    "last_change": [dict(zip(("rank", "step", "phase", "waiting", "progress"), entry)) for entry in changed],
-                }
-                self._claim(finding)
-                self._end(self.decided() or finding, mine)
-                return
+                message = describe_hang(now - last_change, bound, step, culprits, len(ranks))
+                extra = {}
+            else:
+                continue
+            world = len(ranks)
+            finding = {
+                "job_id": self.job_id, "restart": self.restart, "detected_by_node": self.node_rank,
+                "at": time.time(), "seconds_without_progress": round(now - last_change, 1), "bound_seconds": round(bound, 1),
+                "phase": phase, "step": step, "ranks": sorted(r["rank"] for r in culprits),
+                "nodes": " ".join(sorted({r["node"] for r in culprits})) if len(culprits) < world else "",
+                "message": message, **extra,
+                "pauses_recent": [round(s, 2) for s in pauses[-5:]],
+                "last_change": [dict(zip(("rank", "step", "phase", "waiting", "progress"), entry)) for entry in changed],
+            }
+            self._claim(finding)
+            self._end(self.decided() or finding, mine)
+            return
 
     def _claim(self, finding: dict) -> None:
         """The first supervisor to decide writes hang.json; a later one's finding is dropped."""
@@ -547,7 +611,10 @@ class Supervisor:
                 os.kill(rank["pid"], signal.SIGSTOP)
             except ProcessLookupError:
                 pass
-        self._stop.wait(kill_after(self.nnodes) - STACK_SECONDS)
+        # A node that does not answer: the others' stacks would show only their wait for it (and
+        # their ranks end at once too), while every second spent here is one more of the restart.
+        if finding.get("cause") != "unreachable":
+            self._stop.wait(kill_after(self.nnodes) - STACK_SECONDS)
         for rank in mine:
             try:
                 os.kill(rank["pid"], signal.SIGKILL)
