@@ -163,7 +163,8 @@ def test_jobgen_slurm_a_hung_first_node_on_separate_hosts_is_replaced_by_the_spa
     assert hang["nodes"] == "cn001", hang
     # Within the bound and the supervisors' own delays, and those of each mount's cache.
     assert hang["at"] - stopped_at <= hang["bound_seconds"] + detection_delay(len(cluster.node_names)) + CACHE_SECONDS, hang
-    assert ended(cluster, job_id, 600) == "COMPLETED"
+    state = ended(cluster, job_id, 600)
+    assert state == "COMPLETED", what_slurm_and_the_logs_say(cluster, job_id)
     first, second = segments(run_dir)
     assert (first["outcome"], second["outcome"], second["restart"], second["job_id"]) == ("hung", "completed", 1, job_id)
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
