@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
 
-from tests.cluster.hosts import DECOY_INTERFACE, REAL_INTERFACE
+from tests.cluster.hosts import DECOY_INTERFACE, REAL_INTERFACE, link_down, link_up
 from tests.helpers import jobgen
 from tests.test_launchers import mpi  # noqa: F401 (a fixture)
 from tests.test_pbs_scripts import probe_job, stand_in_pbs  # noqa: F401 (stand_in_pbs: a fixture)
 from tests.test_slurm_submit import probe_records
+from tests.train.test_health_hang_units import STEPPING_RANK, SUPERVISOR
 
 
 def on(host, *argv: str) -> str:
@@ -114,12 +119,6 @@ def test_a_node_answers_the_hang_supervisors_probe_stopped_or_not_and_stops_answ
     # What the hang supervisors tell a powered-off or cut-off node by (jobgen.train.reachability):
     # its listener, on the interface toward the master, answers while the host is on the network,
     # even with its process stopped (the kernel answers), and nothing comes back once the link is down.
-    import json
-    import signal
-    import sys
-
-    from tests.cluster.hosts import link_down, link_up
-
     host1, host2 = separate_hosts.hosts
     listener = host2.popen([sys.executable, "-c", LISTEN, host1.address], stdout=subprocess.PIPE, text=True)
     try:
@@ -151,14 +150,6 @@ def test_a_hang_supervisor_names_a_powered_off_peer_as_unreachable_within_15_s_n
     # then its job's processes are killed (its sshd, which other tests use, is kept): nothing it
     # published says it stopped, so before the probes node 0 waited for the 60 s floor and the
     # node's silence. Now it is named in about the quick floor (10 s), as not answering.
-    import json
-    import signal
-    import sys
-    import time
-
-    from tests.cluster.hosts import link_down, link_up
-    from tests.train.test_health_hang_units import STEPPING_RANK, SUPERVISOR
-
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     peers = run_dir / "pids"
