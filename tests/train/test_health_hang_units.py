@@ -17,7 +17,7 @@ from jobgen.rundir.files import rank_log
 from jobgen.train import health
 from jobgen.train.console import open_rank_log
 from jobgen.train.heartbeat import (FLOOR_SECONDS, QUICK_FLOOR_SECONDS, REPORT_SECONDS, SAVE_SECONDS, STACK_SECONDS,
-                                    STARTUP_SECONDS, WARM_PAUSES, Supervisor, describe_hang, hang_bound, node_silent,
+                                    STARTUP_SECONDS, WARM_PAUSES, Supervisor, describe_hang, hang_bound, kill_after, node_silent,
                                     process_state, rank_phases, segment_phase, still_seconds, stopped_first)
 
 
@@ -225,6 +225,44 @@ def test_a_node_that_finds_the_hang_late_still_takes_its_ranks_stacks_before_any
         text = (run_dir / rank_log("77", rank)).read_text()
         assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 1' in text, (rank, text)
     assert all(supervisor.hung for supervisor in supervisors.values())  # both nodes' torchrun exit as hung
+
+
+def test_two_nodes_end_their_ranks_once_both_have_taken_their_stacks_not_at_the_latest_bound(tmp_path: Path) -> None:
+    """Both nodes say in their summaries when they have taken their ranks' stacks; each kills its
+    ranks once every node has, seconds before `kill_after` (each second there is one more of the
+    restart), and every rank's stack is in its log."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "heartbeat").mkdir()
+    supervisors = {node: Supervisor(str(run_dir), "77", "0", node_rank=node, nnodes=2, override=4.0,
+                                    local_dir=str(tmp_path / f"shm-{node}")) for node in (0, 1)}
+    ranks = {}
+    for node in (0, 1):
+        os.mkdir(supervisors[node].local_dir)
+        log = os.fdopen(open_rank_log(str(run_dir), "77", node), "a")
+        ranks[node] = subprocess.Popen([sys.executable, "-c", RANK, str(node), f"node{node}"], stdout=subprocess.PIPE,
+                                       stderr=log, text=True, env={**os.environ, "JOBGEN_HEARTBEAT_DIR": supervisors[node].local_dir})
+        assert ranks[node].stdout.readline().strip() == "ready"
+    for supervisor in supervisors.values():
+        supervisor.start()
+    time.sleep(1.5)
+    ranks[1].send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "hang.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = time.monotonic()
+    codes = [ranks[node].wait(timeout=60) for node in (0, 1)]
+    ended = time.monotonic() - found
+    summaries = [json.loads((run_dir / "heartbeat" / f"node-{node}.json").read_text()) for node in (0, 1)]
+    for supervisor in supervisors.values():
+        supervisor.close()
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL]
+    assert all(summary["stacks_taken"] for summary in summaries) and any(summary["all_stacks_taken"] for summary in summaries)
+    # Asked for their stacks at most a read (3 s) apart, 2 s for the stacks each, a poll of 0.5 s.
+    assert ended < kill_after(2) - 1, ended
+    for node in (0, 1):
+        text = (run_dir / rank_log("77", node)).read_text()
+        assert "jobgen hang supervisor: rank" in text and 'File "<string>", line 13 in <module>' in text, text
 
 
 def test_a_node_whose_summary_stops_changing_is_silent_by_the_readers_own_clock(tmp_path: Path) -> None:

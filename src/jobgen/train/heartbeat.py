@@ -18,8 +18,9 @@ operations per second that grows with the nodes, not with their square
 stop when any rank does) and the others' phases have not changed for longer than the bound
 (`hang_bound`), an aggregating supervisor writes RUN_DIR/hang.json (the first to
 decide does), every supervisor dumps its local ranks' Python stacks into their rank logs (py-spy
-where installed, else faulthandler on SIGQUIT), holds them (SIGSTOP) and kills them
-`kill_after(nnodes)` seconds later, once every other node has found hang.json and taken its own.
+where installed, else faulthandler on SIGQUIT), holds them (SIGSTOP), says so in its summary, and
+kills them once every node has said so (`stacks_taken`), or at the latest `kill_after(nnodes)`
+seconds after asking for them, once every other node can have found hang.json and taken its own.
 jobgen-torchrun then exits with EXIT_HUNG; the batch script requeues. `detection_delay` says how
 late that can be at N nodes.
 
@@ -78,7 +79,8 @@ def kill_after(nnodes: int) -> float:
     waits for its ranks to write them. With others, until the last node to find hang.json (a
     follow interval and a loop's second later) has had its ranks write theirs: a rank killed here
     fails theirs in their collective at once under gloo, and their stacks would be lost. Up to
-    AGGREGATORS nodes every node reads at the read interval, not the follow interval."""
+    AGGREGATORS nodes every node reads at the read interval, not the follow interval. Most ends
+    are sooner: each node says in its summary when it has taken its stacks (`stacks_taken`)."""
     if nnodes == 1:
         return STACK_SECONDS
     follow = read_every(nnodes) if nnodes <= AGGREGATORS else max(FOLLOW_EVERY, read_every(nnodes))
@@ -293,6 +295,9 @@ class Supervisor:
     listener: Optional[Listener] = None  # answers the other nodes' probes (reachability.py)
     prober: Optional[Prober] = None
     _asked_seq: dict = field(default_factory=dict)  # node rank -> its sequence number when first probed
+    # After a hang: this node has taken its ranks' stacks; as an aggregator, has seen every node do so.
+    _stacks_taken: bool = False
+    _all_stacks_taken: bool = False
 
     @classmethod
     def from_env(cls) -> Optional["Supervisor"]:
@@ -359,7 +364,8 @@ class Supervisor:
         self._seq += 1  # what readers time: "at" is for people, the nodes' clocks differ
         summary = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
                    "at": time.time(), "stalled": stalled, "bound": self.bound, "longest_pause": self.longest_pause,
-                   "ranks": ranks, "probe": list(self.listener.address) if self.listener else None}
+                   "ranks": ranks, "probe": list(self.listener.address) if self.listener else None,
+                   "stacks_taken": self._stacks_taken, "all_stacks_taken": self._all_stacks_taken}
         try:
             replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"), json.dumps(summary))
         except OSError:
@@ -518,7 +524,10 @@ class Supervisor:
                 if found:
                     self._end(found, [r for r in mine if r["state"] != "gone"])
                 return
-            if now - followed >= (read_every(self.nnodes) if aggregating else FOLLOW_EVERY):
+            # An aggregator whose ranks are still looks every second: the other may have decided,
+            # and each second here is one more before the restart. One file, two nodes.
+            follow_every = (1.0 if stalled else read_every(self.nnodes)) if aggregating else FOLLOW_EVERY
+            if now - followed >= follow_every:
                 followed = now
                 found = self.decided()
                 if found:
@@ -611,15 +620,35 @@ class Supervisor:
                 os.kill(rank["pid"], signal.SIGSTOP)
             except ProcessLookupError:
                 pass
+        self._stacks_taken = True
+        self.publish(mine, stalled=True)
         # A node that does not answer: the others' stacks would show only their wait for it (and
         # their ranks end at once too), while every second spent here is one more of the restart.
         if finding.get("cause") != "unreachable":
-            self._stop.wait(kill_after(self.nnodes) - STACK_SECONDS)
+            self._wait_for_stacks(mine, self.now() + kill_after(self.nnodes) - STACK_SECONDS)
         for rank in mine:
             try:
                 os.kill(rank["pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _wait_for_stacks(self, mine: list[dict[str, Any]], deadline: float) -> None:
+        """Until every node has taken its ranks' stacks, or the deadline. Nodes 0 and 1 read every
+        summary for it and say in theirs once all have (`all_stacks_taken`); the others read only
+        those two, so the shared folder sees at most 400 reads a second per reader, as in `_watch`.
+        A node already silent (frozen whole, its supervisor with it) is not waited for; one that
+        froze since, or never published, holds the wait to the deadline."""
+        every = max(0.5, self.nnodes / 400)
+        while not self._stop.wait(every) and self.now() < deadline:
+            if self.node_rank < AGGREGATORS:
+                others = [self.node_summary(k) for k in range(self.nnodes) if k != self.node_rank]
+                if all(node and (node.get("stacks_taken") or all(r["state"] == "silent node" for r in node["ranks"]))
+                       for node in others):
+                    self._all_stacks_taken = True
+                    self.publish(mine, stalled=True)
+                    return
+            elif any((self.node_summary(k) or {}).get("all_stacks_taken") for k in range(AGGREGATORS)):
+                return
 
     def _dump_stack(self, rank: dict[str, Any]) -> None:
         path = os.path.join(self.run_dir, rank_log(self.job_id, rank["rank"]))
