@@ -347,6 +347,36 @@ def test_jobgen_slurm_a_spare_that_died_idle_is_not_chosen_when_a_worker_fails_l
     print(f"a dead idle spare, then a powered-off worker: {restart_figures(run_dir, first, second, failed_at)}")
 
 
+def test_jobgen_slurm_a_node_range_job_whose_worker_powers_off_goes_on_inside_its_allocation_on_fewer_nodes(
+        slurm_on_hosts, powered_off: list[str]) -> None:
+    # resources.nodes "2-3" given 3 nodes, no spares: node 1 powers off, and the job goes on inside
+    # its allocation on the other 2, the global batch of 12 kept over 3 ranks and then 2,
+    # from the step node 0 held in memory. Its losses against an unchanged run are resizing's own
+    # test (tests/test_slurm_spare_nodes.py, a hung node of a node range; tests/test_slurm_resize.py).
+    cluster = slurm_on_hosts
+    job = training(cluster)
+    job["resources"]["nodes"] = "2-3"
+    job["training"]["global_batch_size"] = 12  # one that 2 and 3 ranks split
+    job_id, run_dir = submit(cluster, "power-off-node-range", job, env={"JOBGEN_DEBUG_STEP_DELAY": "2"})
+    wait_for(lambda: any(step >= 5 for step in trained_steps(run_dir)), "step 5", 300)
+    assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
+    powered_off.append("cn002")
+    failed_at = cluster.power_off("cn002")
+    assert ended(cluster, job_id, 600) == "COMPLETED"
+    first, second = segments(run_dir)
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
+    assert "the scheduler says they are gone" in log or "cn002 (rank 1) does not answer on the network" in log, log
+    assert "jobgen: restarting inside this allocation without node(s) cn002 on 2 node(s)" in log, log
+    assert f"jobgen: job {job_id} (restart 1) on cn001 cn003;" in log, log
+    said = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*") if p.is_file())
+    assert "global batch 12 = 3 ranks x " in said and "global batch 12 = 2 ranks x " in said, said[-3000:]
+    assert sorted(set(trained_steps(run_dir))) == list(range(1, MAX_STEPS + 1))
+    assert_at_most_one_step_lost(run_dir, second["first_step"], failed_at)
+    print(f"power-off of a worker of a node range 2-3, no spare: on 2 nodes inside the allocation; "
+          f"{restart_figures(run_dir, first, second, failed_at)}")
+
+
 def training_processes_on(cluster, name: str) -> list[int]:
     """The pids of the job's training processes (jobgen-torchrun and its ranks) on node `name`."""
     pids = subprocess.run(["ip", "netns", "pids", cluster.node(name).host.netns], capture_output=True, text=True).stdout.split()
