@@ -208,7 +208,8 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
     fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
-    assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), fields
+    logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), f"{fields}\n{logs}"
     mom = daemon_log(cluster, mother, "mom")
     assert f"{job_id};im_eof, lost communication with {sister}" not in mom, mom[-3000:]
     log = (run_dir / "logs" / f"{job_id}.out").read_text()

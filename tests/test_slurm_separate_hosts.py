@@ -362,7 +362,7 @@ def test_jobgen_slurm_a_node_range_job_whose_worker_powers_off_goes_on_inside_it
     assert job_state(cluster, job_id)["NodeList"] == "cn[001-003]"
     powered_off.append("cn002")
     failed_at = cluster.power_off("cn002")
-    assert ended(cluster, job_id, 600) == "COMPLETED"
+    assert ended(cluster, job_id, 600) == "COMPLETED", what_slurm_and_the_logs_say(cluster, job_id)
     first, second = segments(run_dir)
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
     assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), log
