@@ -164,6 +164,30 @@ def test_resume_from_a_chosen_checkpoint_of_the_own_program_sets_the_later_ones_
     assert [int(line) for line in (tmp_path / "steps.log").read_text().split()] == list(range(11, 31))
 
 
+def test_a_run_upgraded_to_sealed_checkpoints_resumes_from_its_unsealed_ones_up_to_where_sealing_began(tmp_path: Path) -> None:
+    # A run begun under a jobgen whose JobgenCallback did not seal: checkpoint-10 is complete
+    # without the seal. Upgraded, its Trainer started at step 10 and said it seals from there; it
+    # was lost while saving step 12 (trainer_state.json written, the seal not). The run must go on
+    # from step 10, not from step 0 as when every unsealed checkpoint was taken as incomplete.
+    (tmp_path / "train.py").write_text(PLAIN_SCRIPT)
+    for step in (10, 12):
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+        (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    run_dir = tmp_path / "runs" / "own"
+    run_dir.mkdir(parents=True)
+    (run_dir / "own-checkpoints-sealed").write_text("10\n")
+    config = write_job(tmp_path, {"command": ["python", "train.py"], "resume_argument": "--resume {checkpoint}",
+                                  "checkpoints": "out/checkpoint-*"})
+    wrong = jobgen("submit", "-s", "local", "--dry-run", "--resume-from", "12", str(config), cwd=tmp_path)
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    assert "hold trainer_state.json: checkpoint-10); give one of them" in wrong.stderr, wrong.stderr
+    ran = jobgen("submit", "-s", "local", str(config), cwd=tmp_path, env={"PATH": VENV_PATH}, timeout=180)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    logs = "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*node0.out")))
+    assert f"rank 0 of 2: resume={tmp_path}/out/checkpoint-10 start=10" in logs, logs
+    assert [int(line) for line in (tmp_path / "steps.log").read_text().split()] == list(range(11, 31))
+
+
 def test_a_local_run_shows_node_0s_output_and_each_rank_has_its_log(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text('import os, sys\nprint(f"rank {os.environ[\'RANK\']} says hello")\n'
                                        'print(f"rank {os.environ[\'RANK\']} warns", file=sys.stderr)\n')

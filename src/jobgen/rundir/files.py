@@ -22,7 +22,9 @@ NEWEST_CHECKPOINT = "newest-checkpoint"  # the job's own program (launch.command
 # The job's own program with JobgenCallback (jobgen.train.hf): the Trainer's rank 0 writes
 # trainer_state.json without waiting for the other ranks' rng_state_N.pth, so the callback marks
 # each checkpoint with SEALED_MARK once every rank has saved, and says so in the run directory
-# with OWN_CHECKPOINTS_SEALED: from then on a checkpoint without the mark is not complete.
+# with OWN_CHECKPOINTS_SEALED, which holds the step it started from: a checkpoint of a later step
+# without the mark is not complete. Those up to that step came before (a run begun under a jobgen
+# that did not seal, then upgraded) and are judged as then.
 OWN_CHECKPOINTS_SEALED = "own-checkpoints-sealed"
 SEALED_MARK = "jobgen-sealed"
 STOP_REQUESTED = "stop-requested"  # the batch script's request that every rank checkpoints and stops

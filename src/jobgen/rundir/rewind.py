@@ -100,21 +100,35 @@ def _names(folder: Path) -> list[str]:
 OWN_STEP = re.compile(r"([0-9]+)[^0-9]*$")
 
 
+def own_checkpoints_sealed_after(run_dir: Path | None) -> int | None:
+    """The step after which the program's checkpoints carry JobgenCallback's seal (None: it never
+    said it seals). A mark without a step, as the first sealing version wrote it: every one."""
+    try:
+        text = (run_dir / files.OWN_CHECKPOINTS_SEALED).read_text() if run_dir is not None else None
+    except FileNotFoundError:
+        return None
+    if text is None:
+        return None
+    first = text.split(maxsplit=1)[0] if text.strip() else ""
+    return int(first) if first.isdigit() else 0
+
+
 def own_checkpoints(workdir: Path, pattern: str, complete_file: str | None,
                     run_dir: Path | None = None) -> dict[int, tuple[Path, bool]]:
     """{step: (folder, complete)} of every folder `pattern` matches under `workdir` whose name has a
     number; complete as the batch script judges it (with the seal, once the run's callback seals)."""
     import glob
 
-    sealed = run_dir is not None and (run_dir / files.OWN_CHECKPOINTS_SEALED).exists()
+    sealed_after = own_checkpoints_sealed_after(run_dir)
     found: dict[int, tuple[Path, bool]] = {}
     for match in sorted(glob.glob(pattern, root_dir=workdir)):
         path = workdir / match
         number = OWN_STEP.search(path.name)
         if number is None or not path.is_dir():
             continue
-        complete = (complete_file is None or (path / complete_file).exists()) and (not sealed or (path / files.SEALED_MARK).exists())
         step = int(number.group(1))
+        complete = ((complete_file is None or (path / complete_file).exists())
+                    and (sealed_after is None or step <= sealed_after or (path / files.SEALED_MARK).exists()))
         if step not in found or complete:
             found[step] = (path, complete)
     return found

@@ -15,9 +15,9 @@ It also seals each checkpoint the Trainer saves: the Trainer's rank 0 writes tra
 the file jobgen takes as "complete", without waiting for the other ranks' rng_state_N.pth (no
 barrier between them in transformers' _save_checkpoint), so a node lost in between would leave a
 "complete" checkpoint that resumes with another RNG or not at all. At on_save every rank has
-saved its part; after one barrier rank 0 writes SEALED_MARK into the checkpoint, and at the start
-it says in the run directory that it seals (OWN_CHECKPOINTS_SEALED): the batch script then passes
-only sealed checkpoints.
+saved its part; after one barrier rank 0 writes SEALED_MARK into the checkpoint, and at its first
+start it says in the run directory from which step it seals (OWN_CHECKPOINTS_SEALED): the batch
+script then passes only sealed checkpoints of later steps.
 
 Its DataLoader worker processes outlive a stop signal for as long as the ranks may take to stop
 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, requeue.warning_seconds in a jobgen job): torch's workers die
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.files import write_atomic
-
 from jobgen.rundir.files import OWN_CHECKPOINTS_SEALED, SEALED_MARK, STOP_REQUESTED
+from jobgen.rundir.rewind import own_checkpoints_sealed_after
 from jobgen.train.stop import StopRequest
 
 
@@ -64,7 +64,12 @@ class StopAtStepEnd:
         if loader is not None and getattr(loader, "num_workers", 0) > 0:
             loader.worker_init_fn = functools.partial(outlive_stop_signals, loader.worker_init_fn)
         if self.run_dir and state.is_world_process_zero:
-            write_atomic(Path(self.run_dir) / OWN_CHECKPOINTS_SEALED, "JobgenCallback seals each checkpoint it sees saved\n")
+            # The step it starts from: the checkpoints up to it were written before it sealed (a run
+            # begun under an older jobgen) and stay complete without the seal; a run taken back to
+            # an earlier step (jobgen submit --resume-from) seals from there.
+            sealed_after = own_checkpoints_sealed_after(Path(self.run_dir))
+            if sealed_after is None or sealed_after > state.global_step:
+                write_atomic(Path(self.run_dir) / OWN_CHECKPOINTS_SEALED, f"{state.global_step}\n")
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
