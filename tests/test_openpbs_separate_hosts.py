@@ -305,3 +305,39 @@ def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_that_tolerates_it
     print(f"OpenPBS, tolerate_node_failures=all: the sister's pbs_mom killed alone at step {reached}: {sister} down in "
           f"pbsnodes {at['down'] - killed_at:.0f} s after; training went on; the job finished {finished_at - last_step:.0f} s "
           f"after its last step")
+
+
+def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_without_spares_is_rerun_by_the_server_and_ends_bitwise(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """No spares (the job does not tolerate node failures); node 1's pbs_mom dies alone, its ranks,
+    network and mount living on. The mother superior, past $max_poll_downtime without the sister,
+    kills the job; the server requeues it ("execution node host3 down") and runs it again on node
+    0's host and a free one. The sister's rank, which no MoM can kill now, ends at its lost peer.
+    The run resumes and ends bitwise equal to an uninterrupted one, at most one step trained
+    again. 4 s steps, so that training outlasts the mother superior's wait. Prints the figures."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "mom-death", setup=[], step_delay=4)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+    powered_off.append(sister)  # its MoM started again after the test
+    killed_at = cluster.kill_mom(sister)
+    fields, at = finished_after_power_off(cluster, job_id, sister, killed_at, {
+        "down": lambda fields: "down" in cluster.node_state(sister),
+        "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
+    logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), f"{fields}\n{logs}"
+    assert sister not in fields["exec_host"], fields["exec_host"]
+    mom = daemon_log(cluster, mother, "mom")
+    assert f"{job_id};im_eof, lost communication with {sister} for > 10 secs, killing job now" in mom, mom[-3000:]
+    server = daemon_log(cluster, "host1", "server")
+    assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
+    first, second = status_segments(cluster, run_dir)
+    assert (second["outcome"], second["restart"]) == ("completed", 1), (first, second)
+    assert_at_most_one_step_lost(run_dir, second["first_step"], killed_at)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, killed_at, second["first_step"])
+    print(f"OpenPBS, no spares: the sister's pbs_mom killed alone at step {reached}: {sister} down in pbsnodes "
+          f"{at['down'] - killed_at:.0f} s after; first segment {first['outcome']!r}; rerun on {fields['exec_host']} "
+          f"{at['rerun'] - killed_at:.0f} s after, first new step {first_new_step:.0f} s after; {again} step(s) trained again "
+          f"(from step {second['first_step']})")
