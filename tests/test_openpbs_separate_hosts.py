@@ -144,6 +144,20 @@ def ended_as_the_reference(run_dir: Path, reference: dict, off_at: float, resume
     return reached, first_new_step - off_at, len(steps) - MAX_STEPS
 
 
+def run_logs(run_dir: Path) -> str:
+    """The tail of each of the run's logs, for a failure message."""
+    return "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+
+
+def assert_killed_by_the_mother_superior_and_requeued(cluster, job_id: str, mother: str, sister: str) -> None:
+    """The mother superior's log: it lost the sister past $max_poll_downtime and killed the job; the
+    server's: it requeued the job for the down node."""
+    mom = daemon_log(cluster, mother, "mom")
+    assert f"{job_id};im_eof, lost communication with {sister} for > 10 secs, killing job now" in mom, mom[-3000:]
+    server = daemon_log(cluster, "host1", "server")
+    assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
+
+
 def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_by_the_server_and_it_ends_bitwise(
         openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
     """Node 1's host (a sister MoM, not the mother superior) powers off mid-training: pbs_comm
@@ -169,11 +183,9 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
         "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
     assert fields["exec_host"] == f"{mother}/0+host4/0" and sister != "host4", fields["exec_host"]
+    assert_killed_by_the_mother_superior_and_requeued(cluster, job_id, mother, sister)
     mom = daemon_log(cluster, mother, "mom")
-    assert f"{job_id};im_eof, lost communication with {sister} for > 10 secs, killing job now" in mom, mom[-3000:]
     assert f"{job_id};node EOF 1 ({sister})" in mom, mom[-3000:]
-    server = daemon_log(cluster, "host1", "server")
-    assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
     first, second = status_segments(cluster, run_dir)
     # SIGKILL: the batch script recorded no end of its segment; the rerun found it so.
     assert (first["outcome"], first["restart"], first["last_step"] >= SAVE_INTERVAL + 1) == ("killed by the scheduler", 0, True), first
@@ -209,7 +221,7 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
     fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
-    logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+    logs = run_logs(run_dir)
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), f"{fields}\n{logs}"
     mom = daemon_log(cluster, mother, "mom")
     assert f"{job_id};im_eof, lost communication with {sister}" not in mom, mom[-3000:]
@@ -326,13 +338,10 @@ def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_without_spares_is
     fields, at = finished_after_power_off(cluster, job_id, sister, killed_at, {
         "down": lambda fields: "down" in cluster.node_state(sister),
         "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
-    logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+    logs = run_logs(run_dir)
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), f"{fields}\n{logs}"
     assert sister not in fields["exec_host"], fields["exec_host"]
-    mom = daemon_log(cluster, mother, "mom")
-    assert f"{job_id};im_eof, lost communication with {sister} for > 10 secs, killing job now" in mom, mom[-3000:]
-    server = daemon_log(cluster, "host1", "server")
-    assert f"{job_id};Job requeued, execution node {sister} down" in server, server[-3000:]
+    assert_killed_by_the_mother_superior_and_requeued(cluster, job_id, mother, sister)
     first, second = status_segments(cluster, run_dir)
     assert (second["outcome"], second["restart"]) == ("completed", 1), (first, second)
     assert_at_most_one_step_lost(run_dir, second["first_step"], killed_at)

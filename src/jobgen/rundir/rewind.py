@@ -103,14 +103,13 @@ OWN_STEP = re.compile(r"([0-9]+)[^0-9]*$")
 def own_checkpoints_sealed_after(run_dir: Path | None) -> int | None:
     """The step after which the program's checkpoints carry JobgenCallback's seal (None: it never
     said it seals). A mark without a step, as the first sealing version wrote it: every one."""
+    if run_dir is None:
+        return None
     try:
-        text = (run_dir / files.OWN_CHECKPOINTS_SEALED).read_text() if run_dir is not None else None
+        words = (run_dir / files.OWN_CHECKPOINTS_SEALED).read_text().split()
     except FileNotFoundError:
         return None
-    if text is None:
-        return None
-    first = text.split(maxsplit=1)[0] if text.strip() else ""
-    return int(first) if first.isdigit() else 0
+    return int(words[0]) if words and words[0].isdigit() else 0
 
 
 def own_checkpoints(workdir: Path, pattern: str, complete_file: str | None,
