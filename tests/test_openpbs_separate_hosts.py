@@ -109,14 +109,15 @@ def powered_off(openpbs_on_hosts):
         openpbs_on_hosts.power_on(name)
 
 
-def finished_after_power_off(cluster, job_id: str, host: str, off_at: float, marks: dict) -> tuple[dict[str, str], dict[str, float]]:
+def finished_after_power_off(cluster, job_id: str, run_dir: Path, host: str, off_at: float, marks: dict
+                             ) -> tuple[dict[str, str], dict[str, float]]:
     """The job's fields once it has finished (at most 300 s after `host` powered off at `off_at`),
     and when each of `marks` (name: a test of the job's fields) first held."""
     seen: dict[str, float] = {}
     deadline = time.time() + 300
     while (fields := qstat_fields(cluster, job_id)).get("job_state") != "F":
         now = time.time()
-        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {host} powered off: {fields}"
+        assert now < deadline, f"OpenPBS job {job_id} not finished {now - off_at:.0f} s after {host} powered off: {fields}\n{run_logs(run_dir)}"
         for name, holds in marks.items():
             if name not in seen and holds(fields):
                 seen[name] = now
@@ -177,7 +178,7 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
     mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
-    fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {
+    fields, at = finished_after_power_off(cluster, job_id, run_dir, sister, off_at, {
         "down": lambda fields: "down" in cluster.node_state(sister),
         "killed": lambda fields: fields.get("Exit_status") == "-14",
         "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
@@ -198,17 +199,29 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
           f"{again} step(s) trained again (from step {second['first_step']})")
 
 
-def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job_which_tolerates_it(
+def in_the_write_of_step_8(run_dir: Path, holder: str) -> bool:
+    """Node 1 inside its (held) write of step 8's checkpoint, once node 0's host (`holder`) holds
+    node 1's snapshot of step 8 in its memory."""
+    token = run_dir / "output" / "checkpoints" / ".snapshot-token"
+    return ((run_dir / "output" / "debug-save-pause-write-rank1").exists() and token.exists() and any(
+        Path("/dev/shm").glob(f"jobgen-snapshots-*/*/{holder}/step-000008.rank-00001.of-00002.{token.read_text().strip()}")))
+
+
+def test_jobgen_openpbs_a_sister_that_powers_off_in_a_checkpoint_write_is_replaced_by_the_spare_inside_the_job_which_tolerates_it(
         openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
-    """resources.spare_nodes: 1 on host4; node 1's host powers off mid-training. jobgen asks for
+    """resources.spare_nodes: 1 on host4; node 1's host powers off with its part of step 8's
+    checkpoint unwritten (its write held 5 s; the default asynchronous save, so training goes on
+    beside it), once node 0 holds node 1's snapshot of step 8. jobgen asks for
     `tolerate_node_failures=all` for a job with spares, so the mother superior does not kill the
     job when it loses the sister: jobgen's hang supervisor finds that the node does not answer on
     the network while node 0 waits (in about 10 s, the quick floor) and stops the stuck segment
     naming it, and the batch script restarts at once on node 0 and the spare, in the same job
-    (run_count 1), without waiting for pbsdsh's task on the lost host. Prints the figures."""
+    (run_count 1), without waiting for pbsdsh's task on the lost host. The half-written checkpoint
+    is not taken: the restart resumes from step 8, held in node 0's memory. Prints the figures."""
     cluster = openpbs_on_hosts
     job = lora_job(tiny, "power-off-spare", setup=[], step_delay=2, resources={"spare_nodes": 1})
     job["environment"]["secrets"] = []
+    job["environment"]["variables"]["JOBGEN_DEBUG_SAVE_PAUSE"] = "write@8:5"
     job_id, run_dir = submit(cluster, job)
     wait_for_step(run_dir, SAVE_INTERVAL + 1)
     # Node 1's supervisor publishes its summary, with the address it answers probes at, every 10 s:
@@ -218,9 +231,10 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     fields = qstat_fields(cluster, job_id)
     assert fields["tolerate_node_failures"] == "all", fields
     mother, sister, spare = [part.split("/")[0] for part in fields["exec_host"].split("+")]
+    wait_for(lambda: in_the_write_of_step_8(run_dir, mother), "node 1 inside its write of step 8, its snapshot on node 0", 120, every=0.2)
     powered_off.append(sister)
     off_at = cluster.power_off(sister)
-    fields, at = finished_after_power_off(cluster, job_id, sister, off_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
+    fields, at = finished_after_power_off(cluster, job_id, run_dir, sister, off_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
     logs = run_logs(run_dir)
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), f"{fields}\n{logs}"
     mom = daemon_log(cluster, mother, "mom")
@@ -234,14 +248,49 @@ def test_jobgen_openpbs_a_sister_that_powers_off_is_replaced_by_the_spare_inside
     assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in log, log
     first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), (first, second)
+    assert second["first_step"] == 8, second
     assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
+    manifest = run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json"
+    assert not manifest.exists() or "written_from" in json.loads(manifest.read_text()), manifest.read_text()
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
     down = f"{at['down'] - off_at:.0f} s after" if "down" in at else "not yet when the job ended"
     restarted = datetime.fromisoformat(second["started_at"].replace("Z", "+00:00")).timestamp()
-    print(f"OpenPBS, spare nodes, tolerate_node_failures=all: a sister powered off at step {reached}: {sister} down in "
+    print(f"OpenPBS, spare nodes, tolerate_node_failures=all: a sister powered off in its write of step 8's checkpoint, at step {reached}: {sister} down in "
           f"pbsnodes {down}; the job not killed, restarted on {mother}+{spare} inside it {restarted - off_at:.0f} s after, "
           f"first new step {first_new_step:.0f} s after; {again} step(s) trained again "
           f"(from step {second['first_step']})")
+
+
+def test_jobgen_openpbs_a_sister_that_powers_off_during_start_up_is_replaced_by_the_spare_inside_the_job(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 1; node 1's host powers off as soon as the batch script has started
+    the nodes, before the rendezvous: node 0's ranks wait for a peer that will never come, nothing
+    has trained, and node 1 has published no summary yet. The start-up has a bound of its own (the
+    hang supervisor's); the segment ends naming the silent node and the batch script restarts on
+    node 0 and the spare inside the job (run_count 1). Prints the figures."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "power-off-at-start", setup=[], step_delay=2, resources={"spare_nodes": 1})
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    log = run_dir / "logs" / f"{job_id}.out"
+    wait_for(lambda: log.exists() and f"jobgen: job {job_id} (restart 0) on " in log.read_text(), "the start", 120, every=0.2)
+    mother, sister, spare = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+    powered_off.append(sister)
+    off_at = cluster.power_off(sister)
+    assert not trained_steps(run_dir), "a step was trained before the power-off"
+    fields, _ = finished_after_power_off(cluster, job_id, run_dir, sister, off_at, {})
+    text = log.read_text()
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), f"{fields}\n{run_logs(run_dir)}"
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
+    # The server's word with the silence of node 1's summary: before, node 0 waited at the
+    # rendezvous for the start-up's hang bound (15 min; seen: still running 300 s after).
+    assert f"jobgen: node failure: node(s) {sister} failed: the scheduler says they are gone" in text, text
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
+    assert trained_steps(run_dir) == list(range(1, MAX_STEPS + 1)), text  # each once
+    assert_bitwise_equal(run_dir, reference)
+    first_step = min(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines())
+    print(f"OpenPBS, spare nodes: a sister powered off during start-up: first step {first_step - off_at:.0f} s after the power-off")
 
 
 def test_jobgen_openpbs_a_mother_superior_that_powers_off_gets_the_job_requeued_by_the_server_and_it_ends_bitwise(
@@ -263,7 +312,7 @@ def test_jobgen_openpbs_a_mother_superior_that_powers_off_gets_the_job_requeued_
         mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
         powered_off.append(mother)
         off_at = cluster.power_off(mother)
-        fields, at = finished_after_power_off(cluster, job_id, mother, off_at, {"rerun": lambda fields: fields.get("run_count") == "2"})
+        fields, at = finished_after_power_off(cluster, job_id, run_dir, mother, off_at, {"rerun": lambda fields: fields.get("run_count") == "2"})
     finally:
         cluster.run("host1", ["qmgr", "-c", "unset server node_fail_requeue"])
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), fields
@@ -301,7 +350,7 @@ def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_that_tolerates_it
     mother, sister, spare = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
     powered_off.append(sister)  # its MoM started again after the test
     killed_at = cluster.kill_mom(sister)
-    fields, at = finished_after_power_off(cluster, job_id, sister, killed_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
+    fields, at = finished_after_power_off(cluster, job_id, run_dir, sister, killed_at, {"down": lambda fields: "down" in cluster.node_state(sister)})
     finished_at = time.time()
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), fields
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
@@ -335,7 +384,7 @@ def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_without_spares_is
     mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
     powered_off.append(sister)  # its MoM started again after the test
     killed_at = cluster.kill_mom(sister)
-    fields, at = finished_after_power_off(cluster, job_id, sister, killed_at, {
+    fields, at = finished_after_power_off(cluster, job_id, run_dir, sister, killed_at, {
         "down": lambda fields: "down" in cluster.node_state(sister),
         "rerun": lambda fields: fields.get("run_count") == "2" and fields.get("job_state") == "R"})
     logs = run_logs(run_dir)
