@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -39,20 +40,28 @@ def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: 
 RUN_CACHE = Path(tempfile.gettempdir()) / f"jobgen-test-run-{os.environ.get('JOBGEN_TEST_RUN', os.getpid())}"
 
 
-def tiny_model(folder: Path, conversations: int = 64) -> Path:
-    """`python -m jobgen.train.tiny FOLDER`: the tiny model, its tokenizer and data. The build is
-    deterministic and costs seconds of CPU (its imports, mostly), and a dozen modules use it, so it
-    is built once per run, in a process of its own as before, and copied."""
-    built = RUN_CACHE / f"tiny-{conversations}"
+def once_per_run(name: str, build: Callable[[Path], None]) -> Path:
+    """RUN_CACHE/NAME, made by `build(folder)` the first time any of the run's pytest-xdist workers
+    asks for it: for what is deterministic, costly and needed by several modules."""
+    built = RUN_CACHE / name
     RUN_CACHE.mkdir(exist_ok=True)
-    with open(RUN_CACHE / "lock", "w") as lock:
+    with open(RUN_CACHE / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist's workers share the run's folder
         if not built.exists():
             building = built.with_name(built.name + ".building")
             shutil.rmtree(building, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "jobgen.train.tiny", str(building), "--conversations", str(conversations)],
-                           check=True, capture_output=True)
+            build(building)  # makes the folder
             building.rename(built)
+    return built
+
+
+def tiny_model(folder: Path, conversations: int = 64) -> Path:
+    """`python -m jobgen.train.tiny FOLDER`: the tiny model, its tokenizer and data. The build is
+    deterministic and costs seconds of CPU (its imports, mostly), and a dozen modules use it, so it
+    is built once per run, in a process of its own as before, and copied."""
+    built = once_per_run(f"tiny-{conversations}", lambda building: subprocess.run(
+        [sys.executable, "-m", "jobgen.train.tiny", str(building), "--conversations", str(conversations)],
+        check=True, capture_output=True))
     shutil.copytree(built, folder, dirs_exist_ok=True)
     return folder
 

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.cluster.pbs_servers import PbsServer
-from tests.helpers import adapter, assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model
+from tests.helpers import adapter, assert_at_most_one_step_lost, assert_bitwise_equal, once_per_run, tiny_model
 
 MAX_STEPS = 12
 SAVE_INTERVAL = 4
@@ -75,20 +75,22 @@ def lora_job(tiny: Path, name: str, setup: list[str], step_delay: float = 0, **s
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory) -> dict:
+def reference(tiny: Path) -> dict:
     """The job run once without interruption: two simulated nodes of this machine (the same
-    ranks, backend and data order as on a server's two nodes)."""
-    folder = tmp_path_factory.mktemp("reference")
-    job = lora_job(tiny, "reference", setup=[])
-    job["environment"]["secrets"] = []
-    (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    result = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=folder, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = folder / "runs" / "jobgen-test-reference"
-    assert trained_steps(run_dir) == list(range(1, MAX_STEPS + 1))
-    return adapter(run_dir)
+    ranks, backend and data order as on a server's two nodes). Trained once per test run: the
+    modules of the PBS servers and of the complexes of separate hosts share it."""
+    def train(folder: Path) -> None:
+        folder.mkdir()
+        job = lora_job(tiny, "reference", setup=[])
+        job["environment"]["secrets"] = []
+        (folder / "job.yaml").write_text(yaml.safe_dump(job))
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        result = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=folder, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert trained_steps(folder / "runs" / "jobgen-test-reference") == list(range(1, MAX_STEPS + 1))
+
+    return adapter(once_per_run("pbs-reference", train) / "runs" / "jobgen-test-reference")
 
 
 def write_job(server: PbsServer, folder: Path, job: dict) -> Path:
