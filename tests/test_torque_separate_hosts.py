@@ -11,13 +11,14 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.cluster.hosts import assert_probe_met_at_node_0
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
-from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for_step  # noqa: F401
+from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for, wait_for_step  # noqa: F401
 
 
 def submit(cluster, job: dict) -> tuple[str, Path]:
@@ -42,6 +43,14 @@ def wait_until_complete(cluster, job_id: str, run_dir: Path, timeout: float) -> 
         time.sleep(1)
 
 
+def status_segments(cluster, run_dir: Path) -> list[dict]:
+    """`jobgen status --json`'s segments of the run, asked by the job user on the server host."""
+    status = cluster.as_user(["jobgen", "status", str(cluster.shared / run_dir.relative_to(cluster.served)), "--json"],
+                             cwd=cluster.shared)
+    assert status.returncode == 0, status.stderr
+    return json.loads(status.stdout)["segments"]
+
+
 def test_jobgen_torque_ranks_on_separate_hosts_meet_at_the_mother_superiors_address(torque_on_hosts) -> None:
     cluster = torque_on_hosts
     job_id, run_dir = submit(cluster, {**probe_job(2, 2), "name": "probe"})
@@ -63,12 +72,93 @@ def test_jobgen_torque_training_rerun_on_separate_hosts_resumes_bitwise_from_the
     rerun = cluster.run("host1", ["qrerun", job_id])
     assert rerun.returncode == 0, rerun.stderr
     wait_until_complete(cluster, job_id, run_dir, 480)
-    status = cluster.as_user(["jobgen", "status", str(cluster.shared / run_dir.relative_to(cluster.served)), "--json"],
-                             cwd=cluster.shared)
-    assert status.returncode == 0, status.stderr
-    first, second = json.loads(status.stdout)["segments"]
+    first, second = status_segments(cluster, run_dir)
     assert first["outcome"] == "killed by the scheduler" and first["last_step"] >= SAVE_INTERVAL + 2, first
     assert (second["outcome"], second["restart"]) == ("completed", 1), second
     assert_at_most_one_step_lost(run_dir, second["first_step"], reached=first["last_step"])
     assert trained_steps(run_dir)[-1] == MAX_STEPS
     assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.fixture
+def powered_off(torque_on_hosts):
+    """Compute hosts a test powers off: powered on again (free in Torque) after it, for the next test."""
+    hosts: list[str] = []
+    yield hosts
+    for name in hosts:
+        torque_on_hosts.power_on(name)
+
+
+def nodes_of(log: str, job_id: str) -> list[str]:
+    """The hosts of the job's first segment as its batch log names them: node 0, node 1 (and the spare)."""
+    line = next(line for line in log.splitlines() if line.startswith(f"jobgen: job {job_id} (restart 0) on "))
+    return line.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").replace(")", "").split()
+
+
+def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 1; node 1's host (a sister MoM) powers off mid-training. Torque keeps
+    the job (it has no rule that kills a job for a lost sister); jobgen's hang supervisor finds
+    that node 1 does not answer on the network while node 0 waits, the segment ends naming it, and
+    the batch script restarts on node 0 and the spare inside the same job. Prints the figures."""
+    cluster = torque_on_hosts
+    job = lora_job(tiny, "power-off-spare", setup=[], step_delay=2, resources={"spare_nodes": 1})
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    heartbeat = run_dir / "heartbeat" / "node-1.json"
+    wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(), "node 1 training in its heartbeat", 60)
+    log = run_dir / "logs" / f"{job_id}.out"
+    mother, sister, spare = nodes_of(log.read_text(), job_id)
+    powered_off.append(sister)
+    off_at = cluster.power_off(sister)
+    wait_until_complete(cluster, job_id, run_dir, 300)
+    ended_at = time.time()
+    text = log.read_text()
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
+    assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
+    print(f"Torque, spare nodes: a sister powered off at step {first['last_step']}: restarted on {mother}+{spare} inside the job, "
+          f"first new step {first_new_step - off_at:.0f} s after, the job complete {ended_at - off_at:.0f} s after; "
+          f"{len(steps) - MAX_STEPS} step(s) trained again")
+
+
+def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_continued_without_it(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """No spares; node 1's host powers off mid-training. Torque keeps the job; jobgen's hang
+    supervisor names the silent node, and the batch script submits the continuation without it
+    (qsub, the lost host excluded), which runs on node 0's host and the free one and resumes from
+    the last complete checkpoint or node 0's peer snapshot. Prints the figures."""
+    cluster = torque_on_hosts
+    job = lora_job(tiny, "power-off", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    log = run_dir / "logs" / f"{job_id}.out"
+    mother, sister = nodes_of(log.read_text(), job_id)
+    powered_off.append(sister)
+    off_at = cluster.power_off(sister)
+    wait_until_complete(cluster, job_id, run_dir, 300)
+    text = log.read_text()
+    assert "jobgen: continuation " in text, text
+    next_id = text.split("jobgen: continuation ")[1].split()[0]
+    wait_until_complete(cluster, next_id, run_dir, 300)
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [sister], "completed"), (first, second)
+    continued_on = nodes_of((run_dir / "logs" / f"{next_id}.out").read_text().replace("(restart 1)", "(restart 0)"), next_id)
+    assert sister not in continued_on, continued_on
+    assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
+    print(f"Torque, no spares: a sister powered off at step {first['last_step']}: continued as job {next_id} on "
+          f"{' '.join(continued_on)}, first new step {first_new_step - off_at:.0f} s after; "
+          f"{len(steps) - MAX_STEPS} step(s) trained again")
