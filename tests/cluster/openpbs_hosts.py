@@ -1,12 +1,12 @@
 """Pytest plugin: the `openpbs_on_hosts` fixture, a real OpenPBS complex whose nodes are separate hosts.
 
-The OpenPBS server of pbs-up.sh runs its MoM, with four vnodes, on one kernel. Here four hosts of
+The OpenPBS server of pbs-up.sh runs its MoM, with four vnodes, on one kernel. Here five hosts of
 tests/cluster/hosts.py (own network namespace, address, hostname, a Debian /etc/hosts and a first
 interface that routes nowhere) run OpenPBS 23.06 as a cluster does: host1 is the server host
 (pbs_server with its PostgreSQL datastore, pbs_sched, pbs_comm) and the login node jobs are
-submitted from; host2, host3 and host4 are the compute nodes, a pbs_mom each, which reach each
-other (pbsdsh's tasks) through host1's pbs_comm: a 2-node job leaves one free, where the server
-runs a job again when one of its nodes went down. Every host has its own /etc/pbs.conf and PBS_HOME, files
+submitted from; host2 to host5 are the compute nodes, a pbs_mom each, which reach each other
+(pbsdsh's tasks) through host1's pbs_comm: a 2-node job leaves two free, where the server runs a
+job again when one of its nodes went down, and a 2-node job with two spares fits. Every host has its own /etc/pbs.conf and PBS_HOME, files
 of this fixture mounted over the machine's in the host's mount namespace, as are /tmp and the
 datastore's socket folder, so nothing of the machine's own OpenPBS server is touched; the init
 script's first start (pbs_habitat) fills each PBS_HOME and creates host1's datastore.
@@ -48,7 +48,7 @@ from tests.cluster.pbs_servers import _bring_up
 PBS = Path("/opt/pbs")
 HOME = "/var/spool/pbs"  # PBS_HOME, as pbs-up.sh builds it
 SOCKETS = "/var/run/postgresql"  # where pbs-up.sh's init script has the datastore put its socket
-COMPUTE = ("host2", "host3", "host4")
+COMPUTE = ("host2", "host3", "host4", "host5")
 PORTS = "PBS_BATCH_SERVICE_PORT=15001\nPBS_MOM_SERVICE_PORT=15002\nPBS_MANAGER_SERVICE_PORT=15003\n"
 SERVER_SETTINGS = """\
 set server acl_roots = root
@@ -147,7 +147,7 @@ def _nodes_free(cluster: OpenPbsOnHosts) -> bool:
 
 @pytest.fixture(scope="session")
 def openpbs_on_hosts():
-    """OpenPBS on host1 (server, scheduler, comm: the login node) and host2..host4 (a MoM each),
+    """OpenPBS on host1 (server, scheduler, comm: the login node) and host2..host5 (a MoM each),
     with a shared folder on sshfs; all stopped and deleted at the end of the session."""
     _bring_up("pbs-up.sh", PBS / "bin")  # builds OpenPBS if it is not yet
     with separate.server_hosts("OpenPBS", 1 + len(COMPUTE), "p") as complex_hosts:
