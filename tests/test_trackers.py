@@ -175,3 +175,43 @@ def test_the_own_program_continues_one_tracker_run_from_the_environment(tmp_path
     assert [run.info.run_id for run in runs] == [kept["mlflow"]["run_id"]]
     history = sorted(client.get_metric_history(kept["mlflow"]["run_id"], "loss"), key=lambda metric: metric.timestamp)
     assert [metric.step for metric in history] == list(range(1, 7))
+
+
+# The points of a sweep start at once and share one tracking URI: each asks whether the
+# experiment exists, and all but the first to create it are answered that it already does. Here
+# the store is MLflow's own SQL store (what a tracking server keeps its experiments in, with the
+# same unique name), on one SQLite file; each round a new experiment, the points released together.
+SWEEP_POINT = r'''
+import os, sys, time
+from jobgen.train.trackers import mlflow_run
+uri, start, rounds, folder = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+for name in ["warm-up"] + [f"round-{round}" for round in range(rounds)]:
+    os.makedirs(os.path.join(folder, name))
+mlflow_run(os.path.join(folder, "warm-up"), "warm-up", uri)  # imports and connects before the first round
+for round in range(rounds):
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = f"sweep-{round}"
+    while time.time() < start + round:
+        time.sleep(0.001)
+    mlflow_run(os.path.join(folder, f"round-{round}"), "point", uri)
+'''
+
+
+def test_the_points_of_a_sweep_that_race_to_create_one_mlflow_experiment_all_start_in_it(tmp_path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri, points, rounds = f"sqlite:///{tmp_path}/mlflow.db", 6, 4
+    client = MlflowClient(tracking_uri=uri)
+    client.search_experiments()  # the database's tables, made once: the points race for the experiment, not for these
+    (tmp_path / "point.py").write_text(SWEEP_POINT)
+    start = time.time() + 15  # every point imported and connected by then, on 2 CPUs
+    started = [subprocess.Popen([sys.executable, "point.py", uri, str(start), str(rounds), f"point-{k}"], cwd=tmp_path,
+                                env={**os.environ, "MLFLOW_EXPERIMENT_NAME": "warm-up"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for k in range(points)]
+    outputs = [point.communicate(timeout=180)[0] for point in started]
+    assert [point.returncode for point in started] == [0] * points, "\n".join(outputs)
+    for round in range(rounds):
+        (experiment,) = [e for e in client.search_experiments() if e.name == f"sweep-{round}"]
+        runs = client.search_runs([experiment.experiment_id])
+        kept = {json.loads((tmp_path / f"point-{k}" / f"round-{round}" / "trackers.json").read_text())["mlflow"]["run_id"]
+                for k in range(points)}
+        assert {run.info.run_id for run in runs} == kept and len(kept) == points, round
