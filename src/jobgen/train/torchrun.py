@@ -265,12 +265,21 @@ def record_at_a_stop_signal() -> None:
     arrives, not only once the ranks have exited: a launcher that ends a node may kill it before
     then (PBS's kill_delay after pbsdsh ends a task, Slurm's KillWait), and a node that leaves no
     record is taken for one that went down. torchrun's handler is a module function that the
-    ranks' process context installs by its name (torch 2.2 on): this one records, then runs it."""
+    ranks' process context installs by its name (torch 2.2 on): this one records, then runs it.
+
+    Only the first stop signal is acted on. torchrun's handler raises, and its agent then ends the
+    ranks, giving them the shutdown timeout to checkpoint; a second signal (the launcher ending each
+    task after jobgen asked the node to stop, as pbsdsh does) would raise again inside that shutdown,
+    cutting the ranks' grace short and printing a traceback for a stop that was asked for."""
     from torch.distributed.elastic.multiprocessing import api
 
     handler = api._terminate_process_handler
+    stopping = []
 
     def record_then_stop(signum, frame):
+        if stopping:
+            return
+        stopping.append(signum)
         try:
             record_node_end(128 + signum)
         except Exception as error:  # noqa: BLE001 - the stop itself must go on whatever the record does
