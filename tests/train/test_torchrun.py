@@ -179,3 +179,24 @@ def test_a_stop_signal_is_recorded_as_the_nodes_end_the_moment_it_arrives(tmp_pa
     # This segment's record, under a name for each of the batch script's looks.
     records = {p.name: p.read_text() for p in (tmp_path / "node-ends" / "4711-2").iterdir()}
     assert records == {f"1.{look}": "143 node7 run\n" for look in range(6)}
+
+
+def test_the_ranks_share_a_node_folder_that_is_gone_when_they_have_exited(tmp_path: Path, tools) -> None:
+    """Where a node's ranks wait for a data store together (jobgen.train.node_relay): a folder
+    under the node's TMPDIR, the same for both ranks, removed by jobgen-torchrun at the end, so a
+    shared /tmp keeps nothing of the job: not that folder, nor torchrun's own torchelastic_*
+    folder of logs, which torchrun alone leaves (seen: 2,216 of them in this machine's /tmp)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, pathlib\n"
+                    "folder = pathlib.Path(os.environ['JOBGEN_NODE_TMP'])\n"
+                    "(folder / ('rank-' + os.environ['LOCAL_RANK'])).write_text('')\n"
+                    "(pathlib.Path(os.sys.argv[1]) / ('folder-' + os.environ['LOCAL_RANK'])).write_text(str(folder))\n")
+    env = tools.subprocess_env(TMPDIR=str(temporary))
+    done = subprocess.run([sys.executable, "-m", "jobgen.train.torchrun", "--standalone", "--nproc-per-node=2", str(rank),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folders = {(tmp_path / f"folder-{local}").read_text() for local in (0, 1)}
+    assert len(folders) == 1 and Path(folders.pop()).parent == temporary, folders
+    assert list(temporary.iterdir()) == []

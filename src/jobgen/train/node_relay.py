@@ -8,10 +8,11 @@ node's local rank 0 (the leader) polls the shared folder as before and writes ho
 into a file of the node's own temporary folder: "ok", or "failed" and the preparer's one-line
 error. The node's other ranks (followers) read that file, on the node's local disk or memory.
 
-The file is named by the user, the job segment, the node and the store, so nodes that share one
-temporary folder (a test's, or a site's shared /tmp), earlier segments and other jobs never read
-each other's. It is written whole (a rename), and is a few bytes; the node's temporary folder is
-its to clear.
+The file lies in the node's folder for this segment that jobgen-torchrun makes and removes when
+it ends (NODE_TMP_ENV), so nothing is left in a shared /tmp; under another launcher, in the
+temporary folder. Its name holds the user, the job segment, the node and the store, so nodes that
+share one temporary folder (a test's, or a site's shared /tmp), earlier segments and other jobs
+never read each other's. It is written whole (a rename), and is a few bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jobgen.errors import UserError
 
 OK = "ok"
 FAILED = "failed"
+NODE_TMP_ENV = "JOBGEN_NODE_TMP"  # this node's folder for this segment, made and removed by jobgen-torchrun
 
 
 class NodeRelay:
@@ -41,7 +43,8 @@ class NodeRelay:
             return None
         segment = f"{job_id}/{os.environ.get('JOBGEN_RESTART_COUNT', '0')}/{node}"
         digest = hashlib.sha256(f"{segment}\0{os.path.abspath(target)}".encode()).hexdigest()[:24]
-        return cls(os.path.join(tempfile.gettempdir(), f"jobgen-{os.getuid()}-store-wait-{digest}"), local_rank == "0")
+        folder = os.environ.get(NODE_TMP_ENV) or tempfile.gettempdir()
+        return cls(os.path.join(folder, f"jobgen-{os.getuid()}-store-wait-{digest}"), local_rank == "0")
 
     def publish(self, outcome: str, message: str = "") -> None:
         """The leader: how its wait ended, for the node's followers."""

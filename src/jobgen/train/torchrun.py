@@ -28,6 +28,11 @@ it, while a node that arrived earlier may not yet have asked for the barrier's r
 logs a traceback ("Error waiting on exit barrier", pytorch/pytorch#69520) into a job that did
 finish. `outlive_the_exit_barrier` makes every node say it has left before the store's node goes.
 
+The ranks of a node share a temporary folder of its own for the segment (JOBGEN_NODE_TMP: where a
+node's ranks wait for a data store together, jobgen.train.node_relay), where torchrun's own
+temporary files go too; this removes it when they have exited, so a shared /tmp keeps nothing of
+the job (torchrun alone leaves a torchelastic_* folder per run).
+
 How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
 requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
 2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
@@ -37,11 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
+from typing import Optional
 
 # At the top, not inside record_node_end: it runs in a signal handler too, where an import may
 # meet one the main thread has half done (under OpenPBS's preemption the record once raised there).
@@ -294,8 +302,26 @@ def exit_status(leaving: SystemExit) -> int:
     return leaving.code if isinstance(leaving.code, int) else (0 if leaving.code is None else 1)
 
 
+def node_temporary_folder() -> Optional[str]:
+    """A folder of this node's temporary folder for the ranks of this segment
+    (jobgen.train.node_relay.NODE_TMP_ENV), which main removes when they have all exited. torchrun's
+    own temporary files go there too (this process only: the ranks keep TMPDIR): it makes a
+    torchelastic_* folder of logs per run and leaves it behind."""
+    from jobgen.train.node_relay import NODE_TMP_ENV
+
+    try:
+        folder = tempfile.mkdtemp(prefix=f"jobgen-{os.getuid()}-node-")
+    except OSError as error:  # the ranks then wait in the temporary folder itself, as before
+        sys.stderr.write(f"jobgen-torchrun: no folder of its own in the temporary folder ({error})\n")
+        return None
+    os.environ[NODE_TMP_ENV] = folder
+    tempfile.tempdir = folder
+    return folder
+
+
 def main() -> None:
     status = 1
+    folder = node_temporary_folder()
     try:
         run()
         status = 0
@@ -303,6 +329,8 @@ def main() -> None:
         status = exit_status(leaving)
         raise
     finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
         record_node_end(status)
         # Before this node's task ends: a batch host gone with its script leaves nobody else to act.
         from jobgen.train.lost_batch_host import requeue_if_the_batch_host_is_gone
