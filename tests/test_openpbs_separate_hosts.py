@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.hosts import assert_probe_met_at_node_0
+from tests.cluster.hosts import assert_probe_met_at_node_0, powered_off_hosts, run_logs, status_segments
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
-from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for, wait_for_step  # noqa: F401
+from tests.test_pbs_servers import (MAX_STEPS, SAVE_INTERVAL, ended_as_the_reference, lora_job, reference, tiny,  # noqa: F401
+                                    trained_steps, wait_for, wait_for_step)
 
 
 def submit(cluster, job: dict) -> tuple[str, Path]:
@@ -72,10 +73,7 @@ def test_jobgen_openpbs_training_rerun_on_separate_hosts_stops_with_a_checkpoint
     assert rerun.returncode == 0, rerun.stderr
     shown = wait_until_finished(cluster, job_id, run_dir, 480)
     assert "Exit_status = 0" in shown and "run_count = 2" in shown, shown
-    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
-                                   "--json"])
-    assert status.returncode == 0, status.stderr
-    first, second = json.loads(status.stdout)["segments"]
+    first, second = status_segments(cluster, run_dir)
     assert first["outcome"] == "preempted" and first["last_step"] >= SAVE_INTERVAL + 2, first
     assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", first["last_step"], 1), second
     assert trained_steps(run_dir)[-1] == MAX_STEPS
@@ -102,11 +100,7 @@ def daemon_log(cluster, host: str, daemon: str) -> str:
 
 @pytest.fixture
 def powered_off(openpbs_on_hosts):
-    """Compute hosts a test powers off: powered on again (free in OpenPBS) after it, for the next test."""
-    hosts: list[str] = []
-    yield hosts
-    for name in hosts:
-        openpbs_on_hosts.power_on(name)
+    yield from powered_off_hosts(openpbs_on_hosts)
 
 
 def finished_after_power_off(cluster, job_id: str, run_dir: Path, host: str, off_at: float, marks: dict
@@ -123,31 +117,6 @@ def finished_after_power_off(cluster, job_id: str, run_dir: Path, host: str, off
                 seen[name] = now
         time.sleep(0.5)
     return fields, seen
-
-
-def status_segments(cluster, run_dir: Path) -> list[dict]:
-    """`jobgen status --json`'s segments of the run, asked on the server host."""
-    status = cluster.run("host1", [sys.executable, "-m", "jobgen.cli", "status", str(cluster.shared / run_dir.relative_to(cluster.served)),
-                                   "--json"])
-    assert status.returncode == 0, status.stderr
-    return json.loads(status.stdout)["segments"]
-
-
-def ended_as_the_reference(run_dir: Path, reference: dict, off_at: float, resumed_from: int) -> tuple[int, float, int]:
-    """Every step trained, the last one last, and the result bitwise the uninterrupted run's; the
-    step reached at the power-off, the seconds from it to the first new step, the steps trained again."""
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == resumed_from + 1 and m["time"] > off_at)
-    reached = max(m["step"] for m in metrics if m["time"] <= off_at)
-    return reached, first_new_step - off_at, len(steps) - MAX_STEPS
-
-
-def run_logs(run_dir: Path) -> str:
-    """The tail of each of the run's logs, for a failure message."""
-    return "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
 
 
 def assert_killed_by_the_mother_superior_and_requeued(cluster, job_id: str, mother: str, sister: str) -> None:

@@ -150,6 +150,18 @@ def trained_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def ended_as_the_reference(run_dir: Path, reference: dict, fault_at: float, resumed_from: int) -> tuple[int, float, int]:
+    """Every step trained, the last one last, and the result bitwise the uninterrupted run's; the
+    step reached at the fault, the seconds from it to the first new step, the steps trained again."""
+    steps = trained_steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    first_new_step = min(m["time"] for m in metrics if m["step"] == resumed_from + 1 and m["time"] > fault_at)
+    reached = max(m["step"] for m in metrics if m["time"] <= fault_at)
+    return reached, first_new_step - fault_at, len(steps) - MAX_STEPS
+
+
 def wait_for_step(run_dir: Path, step: int) -> None:
     wait_for(lambda: any(s >= step for s in trained_steps(run_dir)), f"step {step} in {run_dir}")
 

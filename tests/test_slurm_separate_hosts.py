@@ -17,7 +17,7 @@ import yaml
 
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster import hosts as separate
-from tests.cluster.hosts import REAL_INTERFACE
+from tests.cluster.hosts import REAL_INTERFACE, powered_off_hosts
 from tests.cluster.slurm_hosts import CACHE_SECONDS
 from tests.helpers import adapter, assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model
 from tests.processes import hang_node
@@ -195,11 +195,7 @@ def restart_figures(run_dir: Path, first: dict, second: dict, failed_at: float) 
 
 @pytest.fixture
 def powered_off(slurm_on_hosts):
-    """Nodes a test powers off: powered on again (and idle in Slurm) after it, for the next test."""
-    nodes: list[str] = []
-    yield nodes
-    for name in nodes:
-        slurm_on_hosts.power_on(name)
+    yield from powered_off_hosts(slurm_on_hosts)
 
 
 def worker_replaced_by_the_spare(cluster, name: str, reference: dict, fault, env: dict[str, str] | None = None,

@@ -7,18 +7,18 @@ uninterrupted reference run."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.cluster.hosts import assert_probe_met_at_node_0
+from tests.cluster.hosts import assert_probe_met_at_node_0, powered_off_hosts, run_logs, status_segments
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
-from tests.test_pbs_servers import MAX_STEPS, SAVE_INTERVAL, lora_job, reference, tiny, trained_steps, wait_for, wait_for_step  # noqa: F401
+from tests.test_pbs_servers import (MAX_STEPS, SAVE_INTERVAL, ended_as_the_reference, lora_job, reference, tiny,  # noqa: F401
+                                    trained_steps, wait_for, wait_for_step)
 
 
 def submit(cluster, job: dict) -> tuple[str, Path]:
@@ -38,17 +38,8 @@ def wait_until_complete(cluster, job_id: str, run_dir: Path, timeout: float) -> 
     deadline = time.monotonic() + timeout
     while "job_state = C" not in cluster.run("host1", ["qstat", "-f", job_id]).stdout:
         if time.monotonic() > deadline:
-            logs = "".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").rglob("*")) if p.is_file())
-            raise AssertionError(f"Torque job {job_id} not complete after {timeout} s:\n{logs}")
+            raise AssertionError(f"Torque job {job_id} not complete after {timeout} s:\n{run_logs(run_dir)}")
         time.sleep(1)
-
-
-def status_segments(cluster, run_dir: Path) -> list[dict]:
-    """`jobgen status --json`'s segments of the run, asked by the job user on the server host."""
-    status = cluster.as_user(["jobgen", "status", str(cluster.shared / run_dir.relative_to(cluster.served)), "--json"],
-                             cwd=cluster.shared)
-    assert status.returncode == 0, status.stderr
-    return json.loads(status.stdout)["segments"]
 
 
 def test_jobgen_torque_ranks_on_separate_hosts_meet_at_the_mother_superiors_address(torque_on_hosts) -> None:
@@ -82,11 +73,7 @@ def test_jobgen_torque_training_rerun_on_separate_hosts_resumes_bitwise_from_the
 
 @pytest.fixture
 def powered_off(torque_on_hosts):
-    """Compute hosts a test powers off: powered on again (free in Torque) after it, for the next test."""
-    hosts: list[str] = []
-    yield hosts
-    for name in hosts:
-        torque_on_hosts.power_on(name)
+    yield from powered_off_hosts(torque_on_hosts)
 
 
 def nodes_of(log: str, job_id: str) -> list[str]:
@@ -117,16 +104,12 @@ def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_
     text = log.read_text()
     assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
     first, second = status_segments(cluster, run_dir)
-    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), run_logs(run_dir)
     assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
-    print(f"Torque, spare nodes: a sister powered off at step {first['last_step']}: restarted on {mother}+{spare} inside the job, "
-          f"first new step {first_new_step - off_at:.0f} s after, the job complete {ended_at - off_at:.0f} s after; "
-          f"{len(steps) - MAX_STEPS} step(s) trained again")
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
+    print(f"Torque, spare nodes: a sister powered off at step {reached}: restarted on {mother}+{spare} inside the job, "
+          f"first new step {first_new_step:.0f} s after, the job complete {ended_at - off_at:.0f} s after; "
+          f"{again} step(s) trained again")
 
 
 def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_continued_without_it(
@@ -150,15 +133,10 @@ def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_conti
     next_id = text.split("jobgen: continuation ")[1].split()[0]
     wait_until_complete(cluster, next_id, run_dir, 300)
     first, second = status_segments(cluster, run_dir)
-    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [sister], "completed"), (first, second)
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [sister], "completed"), run_logs(run_dir)
     continued_on = nodes_of((run_dir / "logs" / f"{next_id}.out").read_text().replace("(restart 1)", "(restart 0)"), next_id)
     assert sister not in continued_on, continued_on
     assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
-    steps = trained_steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, MAX_STEPS + 1)) and steps[-1] == MAX_STEPS, steps
-    assert_bitwise_equal(run_dir, reference)
-    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
-    first_new_step = min(m["time"] for m in metrics if m["step"] == second["first_step"] + 1 and m["time"] > off_at)
-    print(f"Torque, no spares: a sister powered off at step {first['last_step']}: continued as job {next_id} on "
-          f"{' '.join(continued_on)}, first new step {first_new_step - off_at:.0f} s after; "
-          f"{len(steps) - MAX_STEPS} step(s) trained again")
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
+    print(f"Torque, no spares: a sister powered off at step {reached}: continued as job {next_id} on "
+          f"{' '.join(continued_on)}, first new step {first_new_step:.0f} s after; {again} step(s) trained again")

@@ -327,6 +327,34 @@ class ComplexOnHosts:
     def run(self, host: str, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
 
+    def jobgen_on_host1(self, argv: list[str]) -> subprocess.CompletedProcess:
+        """`jobgen ARGV` on the server host (the login node), as the complex's job user does it."""
+        return self.run("host1", [sys.executable, "-m", "jobgen.cli", *argv])
+
+
+def status_segments(cluster: ComplexOnHosts, run_dir: Path) -> list[dict]:
+    """`jobgen status --json`'s segments of a run of the shared folder (`run_dir` as this machine
+    sees it), asked on the server host."""
+    status = cluster.jobgen_on_host1(["status", str(cluster.shared / run_dir.relative_to(cluster.served)), "--json"])
+    assert status.returncode == 0, status.stderr
+    return json.loads(status.stdout)["segments"]
+
+
+def run_logs(run_dir: Path) -> str:
+    """The tail of each of a run's logs (the batch script's, each node's, each rank's), for a
+    failure message."""
+    return "".join(f"--- {path.relative_to(run_dir)}\n{path.read_text(errors='replace')[-3000:]}"
+                   for path in sorted((run_dir / "logs").rglob("*")) if path.is_file())
+
+
+def powered_off_hosts(cluster) -> Iterator[list[str]]:
+    """A test's `powered_off` fixture: the hosts (nodes) the test powers off, powered on again
+    after it, up and usable by the scheduler for the next test."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        cluster.power_on(name)
+
 
 @contextmanager
 def server_hosts(system: str, count: int, tag: str) -> Iterator[ServerHosts]:

@@ -83,6 +83,9 @@ class TorqueOnHosts(separate.ComplexOnHosts):
         """The node's state as `pbsnodes` says it on the server host (free, job-exclusive, down...)."""
         return separate.node_states(self.run("host1", ["pbsnodes", name], timeout=30).stdout).get(name, "")
 
+    def jobgen_on_host1(self, argv: list[str]) -> subprocess.CompletedProcess:
+        return self.as_user(["jobgen", *argv], cwd=self.shared)
+
     def power_off(self, name: str) -> float:
         """Compute host `name` fails as a machine does: link down, then every process of it killed
         (pbs_mom, trqauthd, the job's ranks, sshd, the sshfs mount, the keeper). Returns the time of it."""
