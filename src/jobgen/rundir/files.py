@@ -104,9 +104,11 @@ def rank_log(job_id: str, rank: int | str) -> str:
     return f"{LOGS}/{job_id}-ranks/{first}-{first + RANKS_PER_FOLDER - 1}/{job_id}-rank{rank}.out"
 
 
-def node_exit(job_id: str, node: int | str) -> str:
-    """Node K's exit status, written where the launcher does not pass it on (pbsdsh)."""
-    return f"{LOGS}/{job_id}-node{node}.exit"
+def node_exit(job_id: str, restart: int | str, node: int | str) -> str:
+    """Node K's exit status in a segment, written where the launcher does not pass it on (pbsdsh).
+    Named by the segment: a node of the previous one, ended without waiting for it, may still
+    write its status after the next segment has started on the same job."""
+    return f"{LOGS}/{job_id}-node{node}.{restart}.exit"
 
 
 def node_end_folder(job_id: str, restart: int | str) -> str:
