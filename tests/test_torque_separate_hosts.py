@@ -7,6 +7,7 @@ uninterrupted reference run."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -140,3 +141,54 @@ def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_conti
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
     print(f"Torque, no spares: a sister powered off at step {reached}: continued as job {next_id} on "
           f"{' '.join(continued_on)}, first new step {first_new_step:.0f} s after; {again} step(s) trained again")
+
+
+def test_jobgen_torque_a_mother_superior_that_powers_off_is_continued_by_a_surviving_node(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """No spares; node 0's host, the mother superior where the batch script runs, powers off
+    mid-training. Torque keeps the job running with nothing left to end it (no rule requeues it;
+    qrerun is an operator's). Node 1's ranks fail for want of node 0; its jobgen-torchrun waits for
+    the server to show that host down (node_check_rate), then submits the continuation itself
+    (allow_node_submit) and asks for the stuck job's deletion, which Torque carries out once the
+    host's MoM is back. Prints the figures."""
+    cluster = torque_on_hosts
+    job = lora_job(tiny, "power-off-mother", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    log = run_dir / "logs" / f"{job_id}.out"
+    mother, sister = nodes_of(log.read_text(), job_id)
+    powered_off.append(mother)
+    off_at = cluster.power_off(mother)
+    submissions = run_dir / "submissions.jsonl"
+    wait_for(lambda: len(submissions.read_text().splitlines()) > 1, "the continuation's submission", 300)
+    next_id = json.loads(submissions.read_text().splitlines()[-1])["job_id"]
+    submitted_at = time.time()
+    wait_until_complete(cluster, next_id, run_dir, 400)
+    text = log.read_text()
+    assert (f"jobgen: node failure: the mother superior {mother} is down (Torque says so) and the batch script with it: "
+            f"node {sister} submitted continuation {next_id} (restart 1)") in text, run_logs(run_dir)
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [mother], "completed"), run_logs(run_dir)
+    continued_on = nodes_of((run_dir / "logs" / f"{next_id}.out").read_text().replace("(restart 1)", "(restart 0)"), next_id)
+    assert mother not in continued_on, continued_on
+    assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
+    # The stuck job: not complete while its MoM is down (the deletion asked for waits on it), complete or
+    # gone once the host is back.
+    stuck = qstat_state(cluster, job_id)
+    assert stuck not in ("C", ""), stuck
+    powered_off.remove(mother)
+    cluster.power_on(mother)
+    back_at = time.time()
+    wait_for(lambda: qstat_state(cluster, job_id) in ("C", ""), "the stuck job to end", 300)
+    print(f"Torque, the mother superior powered off at step {reached}: continued by node 1 as job {next_id} on "
+          f"{' '.join(continued_on)}, submitted {submitted_at - off_at:.0f} s after (seen within 1 s), first new step "
+          f"{first_new_step:.0f} s after; {again} step(s) trained again; the stuck job {stuck} until its host came back, "
+          f"ended {time.time() - back_at:.0f} s after that")
+
+
+def qstat_state(cluster, job_id: str) -> str:
+    """The job's state letter in `qstat -f` (R, E, C...), "" once the server no longer knows it."""
+    shown = cluster.run("host1", ["qstat", "-f", job_id]).stdout
+    return next((line.split("=", 1)[1].strip() for line in shown.splitlines() if line.strip().startswith("job_state =")), "")

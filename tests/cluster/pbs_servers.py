@@ -84,11 +84,11 @@ class PbsServer:
 
     def qstat_fields(self, job_id: str) -> dict[str, str]:
         """`qstat -f` of the job (with -x on PBS Pro, which keeps finished jobs); {} once gone."""
-        from jobgen.schedulers.pbs import _qstat_fields
+        from jobgen.schedulers.pbs import qstat_fields
 
         argv = [str(self.bin / "qstat"), "-f", *(["-x"] if self.flavour == "pbs" else []), job_id]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        return _qstat_fields(result.stdout) if result.returncode == 0 else {}
+        return qstat_fields(result.stdout) if result.returncode == 0 else {}
 
     def delete_test_jobs(self) -> None:
         listing = subprocess.run([str(self.bin / "qstat"), "-f"], capture_output=True, text=True, timeout=30).stdout

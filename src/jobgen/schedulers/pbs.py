@@ -150,7 +150,7 @@ class PbsPro(Scheduler):
             argv = [*command, job_id]
             result = subprocess.run(argv, capture_output=True, text=True)
             if result.returncode == 0 and result.stdout.strip():
-                fields = _qstat_fields(result.stdout)
+                fields = qstat_fields(result.stdout)
                 restarts = fields.get(self.run_count_field, "")
                 return JobState(
                     job_id=job_id,
@@ -181,7 +181,7 @@ def _resource_keys(flag: str, item: str) -> list[str]:
     return [f"{flag} {name}"]
 
 
-def _qstat_fields(text: str) -> dict[str, str]:
+def qstat_fields(text: str) -> dict[str, str]:
     """`qstat -f` prints `    key = value`; a long value goes on in lines that start with a tab,
     which is not part of it (the text goes on exactly after it, a space included)."""
     fields: dict[str, str] = {}
