@@ -56,7 +56,7 @@ set server keep_completed = 600
 set server query_other_jobs = True
 set server scheduler_iteration = 10
 set server allow_node_submit = True
-set server node_check_rate = 20
+set server node_check_rate = 45
 set queue batch resources_default.walltime = 01:00:00
 set queue batch resources_default.nodes = 1
 set queue batch enabled = True
@@ -134,7 +134,8 @@ def _torque_home(home: Path) -> None:
     # $job_exit_wait_time: how long a mother superior waits for every sister to confirm a job's end
     # before it finishes the job anyway (600 s by default): a sister that powered off never does.
     # $status_update_time: the MoM reports every 5 s (45 by default), so that the server's node_check_rate
-    # (20 s here, 150 by default) can mark a host that powered off down within 40 s, not 300.
+    # (45 s here, 150 by default) can mark a host that powered off down within 90 s, not 300; 45, not less:
+    # a MoM busy with a dead sister was once marked down at 20 s while healthy.
     (home / "mom_priv" / "config").write_text(f"$pbsserver host1\n$usecp *:/ /\n$job_exit_wait_time {JOB_EXIT_WAIT_TIME}\n"
                                               "$status_update_time 5\n")
 
