@@ -46,8 +46,14 @@ PREFIX = "jgh"  # every namespace: jgh<pid>-...
 REAL_INTERFACE = "eth1"
 DECOY_INTERFACE = "eth0"
 CACHE_SECONDS = 3  # each sshfs mount's attribute and negative cache, as NFS's acregmin
-# Run "on" a host: its hostname, and its /etc/hosts over the machine's, seen by its processes only.
-ON_HOST = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+# Run "on" a host: its hostname, and its /etc/hosts over the machine's, seen by its processes only;
+# and an empty ~/.bashrc (HOST_BASHRC beside the hosts file) over the machine's, which every ssh
+# session and job shell there reads: a shell that a power-off kills in the middle of it can leave a
+# lock behind (pyenv's rehash lock, on a machine whose .bashrc runs `pyenv init`), and every later
+# ssh into the hosts then waits on it past the fixtures' timeouts.
+HOST_BASHRC = "bashrc"
+ON_HOST = ('hostname "$0" && mount --bind "$1" /etc/hosts && '
+           f'{{ [ ! -f "$HOME/.bashrc" ] || mount --bind "${{1%/*}}/{HOST_BASHRC}" "$HOME/.bashrc"; }} && shift && exec "$@"')
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ def make_hosts(folder: Path, count: int, prefix: str) -> tuple[Host, ...]:
         _ip("-n", netns, "addr", "add", f"{addresses[name]}/24", "dev", REAL_INTERFACE)
         _ip("-n", netns, "link", "set", REAL_INTERFACE, "up")
         hosts_file = folder / f"{name}.hosts"
+        (folder / HOST_BASHRC).write_text("# the test hosts' ~/.bashrc (tests/cluster/hosts.py ON_HOST)\n")
         hosts_file.write_text(debian_hosts_file(name, {other: addresses[other] for other in names if other != name}))
         hosts.append(Host(name, netns, addresses[name], hosts_file))
     return tuple(hosts)
