@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.hosts import assert_probe_met_at_node_0, powered_off_hosts, run_logs, status_segments
+from tests.cluster.hosts import (assert_probe_met_at_node_0, link_down, link_up, powered_off_hosts, run_logs, status_segments,
+                                training_processes_of)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
@@ -431,3 +432,41 @@ def test_jobgen_openpbs_a_sister_whose_mom_dies_alone_in_a_job_without_spares_is
           f"{at['down'] - killed_at:.0f} s after; first segment {first['outcome']!r}; rerun on {fields['exec_host']} "
           f"{at['rerun'] - killed_at:.0f} s after, first new step {first_new_step:.0f} s after; {again} step(s) trained again "
           f"(from step {second['first_step']})")
+
+
+def test_jobgen_openpbs_a_partitioned_sister_is_replaced_by_the_spare_and_the_host_comes_back_by_itself(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 1; node 1's host loses its link mid-training (a cable or switch port),
+    its processes alive: pbs_mom, the ranks, the mount, cut off. The job goes on without it inside the
+    allocation; when the link is back, nothing of the old segment is left running there and the
+    server takes the host back without a restart of its MoM. Prints the figures."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "partition", setup=[], step_delay=2, resources={"spare_nodes": 1})
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    mother, sister, spare = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+    heartbeat = run_dir / "heartbeat" / "node-1.json"
+    wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(), "node 1 training in its heartbeat", 60)
+    powered_off.append(sister)  # should the host not come back by itself: powered on afresh after the test
+    cut_at = time.time()
+    link_down(cluster.host(sister))
+    fields, _ = finished_after_power_off(cluster, job_id, run_dir, sister, cut_at, {})
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", "1"), f"{fields}\n{run_logs(run_dir)}"
+    text = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
+    assert_at_most_one_step_lost(run_dir, second["first_step"], cut_at)
+    left = training_processes_of(cluster.host(sister))
+    back_at = time.time()
+    link_up(cluster.host(sister))
+    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
+    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to take {sister} back", 180)
+    free_after = time.time() - back_at
+    powered_off.remove(sister)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, second["first_step"])
+    print(f"OpenPBS, spare nodes: node 1's host cut off at step {reached}: restarted on {mother}+{spare} inside the job, "
+          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {len(left)} process(es) of the "
+          f"old segment left there when the job finished; the host free again {free_after:.0f} s after its link came back")
+

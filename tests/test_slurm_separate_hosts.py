@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -373,19 +372,6 @@ def test_jobgen_slurm_a_node_range_job_whose_worker_powers_off_goes_on_inside_it
           f"{restart_figures(run_dir, first, second, failed_at)}")
 
 
-def training_processes_on(cluster, name: str) -> list[int]:
-    """The pids of the job's training processes (jobgen-torchrun and its ranks) on node `name`."""
-    pids = subprocess.run(["ip", "netns", "pids", cluster.node(name).host.netns], capture_output=True, text=True).stdout.split()
-    found = []
-    for pid in pids:
-        try:
-            if b"jobgen.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 def test_jobgen_slurm_a_partitioned_worker_is_replaced_by_the_spare_and_its_processes_end_when_it_is_back(
         slurm_on_hosts, reference: dict, powered_off: list[str]) -> None:
     # A lost cable: the node's processes live on, cut off (its ranks blocked in a collective, its
@@ -395,10 +381,10 @@ def test_jobgen_slurm_a_partitioned_worker_is_replaced_by_the_spare_and_its_proc
     powered_off.append("cn002")  # powered on afresh after the test, whatever is left of it
     run_dir, first, second, failed_at = worker_replaced_by_the_spare(
         cluster, "partition-worker", reference, lambda cluster, node: cluster.partition(node))
-    stale = training_processes_on(cluster, "cn002")
+    stale = separate.training_processes_of(cluster.node("cn002").host)
     reconnected_at = time.time()
     separate.link_up(cluster.node("cn002").host)
-    wait_for(lambda: not training_processes_on(cluster, "cn002"), "the old step's processes on cn002 to end", 180)
+    wait_for(lambda: not separate.training_processes_of(cluster.node("cn002").host), "the old step's processes on cn002 to end", 180)
     gone_after = time.time() - reconnected_at
     assert_bitwise_equal(run_dir, reference)  # nothing of theirs was written when the mount came back
     print(f"partition of a worker, spare in the allocation: {restart_figures(run_dir, first, second, failed_at)}; "

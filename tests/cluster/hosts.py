@@ -105,6 +105,18 @@ def kill_every_process_of(host: Host) -> list[int]:
     raise AssertionError(f"{host.name}: processes still running after 20 rounds of SIGKILL")
 
 
+def training_processes_of(host: Host) -> list[int]:
+    """The pids of a job's training processes (jobgen-torchrun and its ranks) on `host`."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split():
+        try:
+            if b"jobgen.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 def power_off(host: Host) -> list[int]:
     """A real node failure: the link first (so that no peer sees a connection reset), then every
     process of the host killed. What the host wrote to the shared file system stays."""
