@@ -83,6 +83,25 @@ def nodes_of(log: str, job_id: str) -> list[str]:
     return line.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").replace(")", "").split()
 
 
+def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_off: list[str],
+                             spare_nodes: int = 0) -> tuple[str, Path, list[str], float]:
+    """A 2-node LoRA job (2 s steps, no secrets) trained past its first checkpoint, node `node`
+    training, then that node's host powered off: the job id, its run folder, its hosts as the batch
+    log names them (node 0, node 1, the spares) and the time of the power-off."""
+    job = lora_job(tiny, name, setup=[], step_delay=2, resources={"spare_nodes": spare_nodes})
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    if spare_nodes:  # heartbeats are published by jobs with spares only
+        heartbeat = run_dir / "heartbeat" / f"node-{node}.json"
+        wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(),
+                 f"node {node} training in its heartbeat", 60)
+    hosts = nodes_of((run_dir / "logs" / f"{job_id}.out").read_text(), job_id)
+    powered_off.append(hosts[node])
+    return job_id, run_dir, hosts, cluster.power_off(hosts[node])
+
+
+
 def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job(
         torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
     """resources.spare_nodes: 1; node 1's host (a sister MoM) powers off mid-training. Torque keeps
@@ -90,16 +109,9 @@ def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_
     that node 1 does not answer on the network while node 0 waits, the segment ends naming it, and
     the batch script restarts on node 0 and the spare inside the same job. Prints the figures."""
     cluster = torque_on_hosts
-    job = lora_job(tiny, "power-off-spare", setup=[], step_delay=2, resources={"spare_nodes": 1})
-    job["environment"]["secrets"] = []
-    job_id, run_dir = submit(cluster, job)
-    wait_for_step(run_dir, SAVE_INTERVAL + 1)
-    heartbeat = run_dir / "heartbeat" / "node-1.json"
-    wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(), "node 1 training in its heartbeat", 60)
+    job_id, run_dir, (mother, sister, spare), off_at = powered_off_mid_training(
+        cluster, tiny, "power-off-spare", 1, powered_off, spare_nodes=1)
     log = run_dir / "logs" / f"{job_id}.out"
-    mother, sister, spare = nodes_of(log.read_text(), job_id)
-    powered_off.append(sister)
-    off_at = cluster.power_off(sister)
     wait_until_complete(cluster, job_id, run_dir, 300)
     ended_at = time.time()
     text = log.read_text()
@@ -120,14 +132,8 @@ def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_conti
     (qsub, the lost host excluded), which runs on node 0's host and the free one and resumes from
     the last complete checkpoint or node 0's peer snapshot. Prints the figures."""
     cluster = torque_on_hosts
-    job = lora_job(tiny, "power-off", setup=[], step_delay=2)
-    job["environment"]["secrets"] = []
-    job_id, run_dir = submit(cluster, job)
-    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    job_id, run_dir, (mother, sister), off_at = powered_off_mid_training(cluster, tiny, "power-off", 1, powered_off)
     log = run_dir / "logs" / f"{job_id}.out"
-    mother, sister = nodes_of(log.read_text(), job_id)
-    powered_off.append(sister)
-    off_at = cluster.power_off(sister)
     wait_until_complete(cluster, job_id, run_dir, 300)
     text = log.read_text()
     assert "jobgen: continuation " in text, text
@@ -152,14 +158,8 @@ def test_jobgen_torque_a_mother_superior_that_powers_off_is_continued_by_a_survi
     (allow_node_submit) and asks for the stuck job's deletion, which Torque carries out once the
     host's MoM is back. Prints the figures."""
     cluster = torque_on_hosts
-    job = lora_job(tiny, "power-off-mother", setup=[], step_delay=2)
-    job["environment"]["secrets"] = []
-    job_id, run_dir = submit(cluster, job)
-    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    job_id, run_dir, (mother, sister), off_at = powered_off_mid_training(cluster, tiny, "power-off-mother", 0, powered_off)
     log = run_dir / "logs" / f"{job_id}.out"
-    mother, sister = nodes_of(log.read_text(), job_id)
-    powered_off.append(mother)
-    off_at = cluster.power_off(mother)
     submissions = run_dir / "submissions.jsonl"
     wait_for(lambda: len(submissions.read_text().splitlines()) > 1, "the continuation's submission", 300)
     next_id = json.loads(submissions.read_text().splitlines()[-1])["job_id"]
