@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.cluster.hosts import DECOY_INTERFACE, REAL_INTERFACE, link_down, link_up
@@ -143,38 +144,43 @@ def test_a_node_answers_the_hang_supervisors_probe_stopped_or_not_and_stops_answ
         listener.wait()
 
 
+@pytest.mark.parametrize("lost, master", [(1, "address"), (0, "name")], ids=["worker", "master-by-its-name"])
 def test_a_hang_supervisor_names_a_powered_off_peer_as_unreachable_within_15_s_not_after_the_60_s_floor(
-        separate_hosts, tmp_path: Path) -> None:
+        separate_hosts, tmp_path: Path, lost: int, master: str) -> None:
     # Two real supervisors, node 0 on host1 and node 1 on host2, each with a stepping rank (the
-    # ranks keep step with each other: one waits while the other is gone). host2's link goes down,
-    # then its job's processes are killed (its sshd, which other tests use, is kept): nothing it
-    # published says it stopped, so before the probes node 0 waited for the 60 s floor and the
-    # node's silence. Now it is named in about the quick floor (10 s), as not answering.
+    # ranks keep step with each other: one waits while the other is gone). The lost node's host
+    # loses its link, then its job's processes are killed (its sshd, which other tests use, is
+    # kept): nothing it published says it stopped, so before the probes the other waited for the
+    # 60 s floor and the node's silence. Now it is named in about the quick floor (10 s), as not
+    # answering. The master by its name, as PBS and Torque give it: 127.0.1.1 on host1 itself, where
+    # node 0 once listened for probes, so that host2's probes asked host2 and a powered-off master
+    # was named only after the floor.
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     peers = run_dir / "pids"
     nodes = []
     for rank, host in enumerate(separate_hosts.hosts):
         env = dict(os.environ, JOBGEN_RUN_DIR=str(run_dir), JOBGEN_JOB_ID="21", JOBGEN_RESTART_COUNT="0",
-                   NODE_RANK=str(rank), NNODES="2", MASTER_ADDR=separate_hosts.hosts[0].address)
+                   NODE_RANK=str(rank), NNODES="2", JOBGEN_NODES="host1 host2",
+                   MASTER_ADDR=separate_hosts.hosts[0].address if master == "address" else "host1")
         for key in ("JOBGEN_HEARTBEAT_DIR", "JOBGEN_HANG_SECONDS"):
             env.pop(key, None)
         nodes.append(host.popen([sys.executable, "-c", SUPERVISOR, "0", STEPPING_RANK, json.dumps({"PUBLISH_EVERY": 5.0}),
                                  str(peers)], env=env, stdout=subprocess.PIPE, text=True))
     ranks = [int(node.stdout.readline()) for node in nodes]
     peers.write_text(" ".join(map(str, ranks)))
-    host2 = separate_hosts.hosts[1]
+    host, other = separate_hosts.hosts[lost], 1 - lost
     try:
         time.sleep(12)  # steady training: the step times known, each node's summary read with its address
-        summary = json.loads((run_dir / "heartbeat" / "node-1.json").read_text())
-        assert summary["probe"][0] == host2.address, summary
+        summary = json.loads((run_dir / "heartbeat" / f"node-{lost}.json").read_text())
+        assert summary["probe"][0] == host.address, summary
         off_at = time.time()
-        link_down(host2)
-        for pid in (ranks[1], nodes[1].pid):
+        link_down(host)
+        for pid in (ranks[lost], nodes[lost].pid):
             os.kill(pid, signal.SIGKILL)
-        assert nodes[0].wait(timeout=60) == 0  # its rank ended by its supervisor
+        assert nodes[other].wait(timeout=60) == 0  # its rank ended by its supervisor
     finally:
-        link_up(host2)
+        link_up(host)
         for pid in ranks:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -184,7 +190,7 @@ def test_a_hang_supervisor_names_a_powered_off_peer_as_unreachable_within_15_s_n
             node.kill()
             node.wait()
     hang = json.loads((run_dir / "hang.json").read_text())
-    assert (hang["cause"], hang["nodes"], hang["ranks"], hang["node_ranks"]) == ("unreachable", "node1", [1], [1]), hang
-    assert "node node1 (rank 1) does not answer on the network (powered off, or cut off)" in hang["message"], hang
+    assert (hang["cause"], hang["nodes"], hang["ranks"], hang["node_ranks"]) == ("unreachable", f"node{lost}", [lost], [lost]), hang
+    assert f"node node{lost} (rank {lost}) does not answer on the network (powered off, or cut off)" in hang["message"], hang
     assert hang["at"] - off_at <= 15, hang
-    print(f"a peer powered off: named by the hang supervisor as not answering {hang['at'] - off_at:.1f} s after")
+    print(f"node {lost} powered off: named by the hang supervisor as not answering {hang['at'] - off_at:.1f} s after")

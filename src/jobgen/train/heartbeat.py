@@ -321,7 +321,7 @@ class Supervisor:
 
     def start(self) -> "Supervisor":
         if self.nnodes > 1 and os.environ.get("MASTER_ADDR"):
-            self.listener = Listener.toward(os.environ["MASTER_ADDR"])
+            self.listener = Listener.toward(os.environ["MASTER_ADDR"], os.environ.get("JOBGEN_NODES", "").split())
             self.prober = Prober(self.now)
         threading.Thread(target=self._run, name="jobgen-hang-supervisor", daemon=True).start()
         return self

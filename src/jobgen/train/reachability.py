@@ -2,7 +2,8 @@
 from one that is only slow, in seconds rather than after its silence.
 
 Each node's hang supervisor listens on a TCP port of the address its ranks use toward the master
-(`Listener`) and publishes it in its summary. A live node's kernel answers a connection at once
+(`Listener`; on the master itself, toward another node: see `listening_address`) and publishes it
+in its summary. A live node's kernel answers a connection at once
 (the listener accepts and closes it; a refused connection is an answer too), whatever its
 processes are doing: busy, stopped, stuck in a collective. A node that is powered off, or whose
 link is down, answers nothing: the connection times out, or its neighbours' ARP fails
@@ -15,6 +16,7 @@ No process group and no collective is involved: a node can be asked while every 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import select
 import socket
 import threading
@@ -40,6 +42,25 @@ def local_address(toward: str) -> Optional[tuple[int, str]]:
         return None
 
 
+def listening_address(master: str, others: list[str]) -> Optional[tuple[int, str]]:
+    """The address to listen on, one the other nodes reach: this host's on the route toward the
+    master, or, where that is a loopback address, toward the first of `others` (the job's other
+    nodes) that is not. On the master itself the route toward its own name is a loopback one
+    wherever that name is the host's own (Debian's `127.0.1.1` line, as PBS and Torque name a
+    master): a probe of 127.0.1.1 from another node asks that node itself, which always answers,
+    and a master that powered off was never found unreachable. A loopback address is kept only
+    where nothing else routes (every node on this host)."""
+    first = None
+    for target in (master, *others):
+        found = local_address(target)
+        if found is None:
+            continue
+        if not ipaddress.ip_address(found[1].split("%")[0]).is_loopback:
+            return found
+        first = first or found
+    return first
+
+
 class Listener:
     """A TCP port that answers every connection (accepted, then closed), on a daemon thread."""
 
@@ -52,8 +73,8 @@ class Listener:
         threading.Thread(target=self._answer, name="jobgen-reachability", daemon=True).start()
 
     @classmethod
-    def toward(cls, master: str) -> Optional["Listener"]:
-        found = local_address(master)
+    def toward(cls, master: str, others: list[str] = ()) -> Optional["Listener"]:
+        found = listening_address(master, list(others))
         if found is None:
             return None
         try:
