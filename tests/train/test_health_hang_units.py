@@ -439,9 +439,11 @@ def test_a_stopped_rank_is_found_in_10_s_of_steady_training_and_a_node_that_says
                 proc.wait()
     assert codes == [0, 0, 0, 0]
     rank, node = (json.loads((run_dir / "hang.json").read_text()) for run_dir in runs.values())
-    assert (rank["nodes"], rank["bound_seconds"], rank["phase"]) == ("node2", 10, "training"), rank
+    # The quick bound: 10 s, or 5 times the longest recent pause where the machine is loaded (13 s
+    # seen under a whole test run), never the floor that a silent node holds the others to.
+    assert (rank["nodes"], rank["phase"]) == ("node2", "training") and 10 <= rank["bound_seconds"] < 20, rank
     assert "stopped first: node node2 (rank 2: stopped)" in rank["message"], rank
-    assert rank["at"] - stopped_at <= 15, rank
+    assert rank["at"] - stopped_at < 20, rank
     assert (node["nodes"], node["bound_seconds"]) == ("node2", 20), node
     assert "stopped first: node node2 (rank 2: silent node)" in node["message"], node
     assert node["at"] - stopped_at >= 20, node
