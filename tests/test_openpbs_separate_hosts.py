@@ -470,3 +470,46 @@ def test_jobgen_openpbs_a_partitioned_sister_is_replaced_by_the_spare_and_the_ho
           f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {len(left)} process(es) of the "
           f"old segment left there when the job finished; the host free again {free_after:.0f} s after its link came back")
 
+
+
+def test_jobgen_openpbs_a_partitioned_sister_of_a_job_without_spares_ends_bitwise_and_leaves_nothing_on_the_host(
+        openpbs_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """No spares; node 1's host loses its link mid-training, its processes alive. Whoever acts
+    first, jobgen's hang supervisor (the node does not answer: the segment ends `node_failed` and a
+    continuation is submitted pinned away from it) or the mother superior past $max_poll_downtime
+    (the server reruns the job), the run ends completed, every step trained once, bitwise equal to
+    an uninterrupted run; once the link is back nothing of the old segment runs on the host and
+    the server has it free again. Prints which acted, and the figures."""
+    cluster = openpbs_on_hosts
+    job = lora_job(tiny, "partition-no-spare", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    mother, sister = [part.split("/")[0] for part in qstat_fields(cluster, job_id)["exec_host"].split("+")]
+    powered_off.append(sister)  # should the host not come back by itself: powered on afresh after the test
+    cut_at = time.time()
+    link_down(cluster.host(sister))
+    wait_for(lambda: [segment["outcome"] for segment in status_segments(cluster, run_dir)][-1:] == ["completed"],
+             "the run to complete", 400, every=5)
+    submitted = [json.loads(line)["job_id"] for line in (run_dir / "submissions.jsonl").read_text().splitlines()]
+    for each in submitted:
+        wait_until_finished(cluster, each, run_dir, 300)
+    segments = status_segments(cluster, run_dir)
+    first, last = segments[0], segments[-1]
+    assert len(segments) == 2 and first["outcome"] in ("node_failed", "killed by the scheduler"), f"{segments}\n{run_logs(run_dir)}"
+    if first["outcome"] == "node_failed":
+        assert first["nodes"] == [sister] and len(submitted) == 2, (first, submitted)
+    assert_at_most_one_step_lost(run_dir, last["first_step"], cut_at)
+    left = training_processes_of(cluster.host(sister))
+    back_at = time.time()
+    link_up(cluster.host(sister))
+    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
+    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to take {sister} back", 180)
+    free_after = time.time() - back_at
+    powered_off.remove(sister)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, last["first_step"])
+    acted = (f"jobgen's continuation {submitted[-1]}" if first["outcome"] == "node_failed"
+             else "the server's rerun (the mother superior killed the job)")
+    print(f"OpenPBS, no spares: node 1's host cut off at step {reached}: {acted}, first new step {first_new_step:.0f} s after; "
+          f"{again} step(s) trained again; {len(left)} process(es) of the old segment left there when the run completed; "
+          f"the host free again {free_after:.0f} s after its link came back")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
 
-from tests.cluster.hosts import assert_probe_met_at_node_0, powered_off_hosts, run_logs, status_segments
+from tests.cluster.hosts import (assert_probe_met_at_node_0, link_down, link_up, powered_off_hosts, run_logs, status_segments,
+                                training_processes_of)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
@@ -83,11 +85,12 @@ def nodes_of(log: str, job_id: str) -> list[str]:
     return line.split(" on ", 1)[1].split(";")[0].replace("(spare: ", "").replace(")", "").split()
 
 
-def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_off: list[str],
-                             spare_nodes: int = 0) -> tuple[str, Path, list[str], float]:
+def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_off: list[str], spare_nodes: int = 0,
+                             fault: Callable[[str], float] | None = None) -> tuple[str, Path, list[str], float]:
     """A 2-node LoRA job (2 s steps, no secrets) trained past its first checkpoint, node `node`
-    training, then that node's host powered off: the job id, its run folder, its hosts as the batch
-    log names them (node 0, node 1, the spares) and the time of the power-off."""
+    training, then that node's host powered off (or `fault` done to it): the job id, its run
+    folder, its hosts as the batch log names them (node 0, node 1, the spares) and the time of the
+    fault. The host is in `powered_off` (powered on afresh after the test) until a test takes it out."""
     job = lora_job(tiny, name, setup=[], step_delay=2, resources={"spare_nodes": spare_nodes})
     job["environment"]["secrets"] = []
     job_id, run_dir = submit(cluster, job)
@@ -98,8 +101,16 @@ def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_
                  f"node {node} training in its heartbeat", 60)
     hosts = nodes_of((run_dir / "logs" / f"{job_id}.out").read_text(), job_id)
     powered_off.append(hosts[node])
-    return job_id, run_dir, hosts, cluster.power_off(hosts[node])
+    return job_id, run_dir, hosts, (fault or cluster.power_off)(hosts[node])
 
+
+def cut_off(cluster) -> Callable[[str], float]:
+    """A partition: the host's link down, its processes (pbs_mom, the ranks, the mount) alive."""
+    def fault(name: str) -> float:
+        at = time.time()
+        link_down(cluster.host(name))
+        return at
+    return fault
 
 
 def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job(
@@ -123,6 +134,36 @@ def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_
     print(f"Torque, spare nodes: a sister powered off at step {reached}: restarted on {mother}+{spare} inside the job, "
           f"first new step {first_new_step:.0f} s after, the job complete {ended_at - off_at:.0f} s after; "
           f"{again} step(s) trained again")
+
+
+def test_jobgen_torque_a_partitioned_sister_is_replaced_by_the_spare_and_the_host_comes_back_by_itself(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 1; node 1's host loses its link mid-training (a cable or switch port),
+    its processes alive: pbs_mom, the ranks, the mount, cut off. jobgen's hang supervisor finds it
+    does not answer, and the batch script restarts on node 0 and the spare inside the job; when the
+    link is back, nothing of the old segment is left running there (its own supervisor found node 0
+    unreachable and ended its ranks) and the server has the host free again without a restart of
+    its MoM. Prints the figures."""
+    cluster = torque_on_hosts
+    job_id, run_dir, (mother, sister, spare), cut_at = powered_off_mid_training(
+        cluster, tiny, "partition", 1, powered_off, spare_nodes=1, fault=cut_off(cluster))
+    wait_until_complete(cluster, job_id, run_dir, 300)
+    text = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), run_logs(run_dir)
+    assert_at_most_one_step_lost(run_dir, second["first_step"], cut_at)
+    left = training_processes_of(cluster.host(sister))
+    back_at = time.time()
+    link_up(cluster.host(sister))
+    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
+    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to have {sister} free again", 240)
+    free_after = time.time() - back_at
+    powered_off.remove(sister)
+    reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, second["first_step"])
+    print(f"Torque, spare nodes: node 1's host cut off at step {reached}: restarted on {mother}+{spare} inside the job, "
+          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {len(left)} process(es) of the "
+          f"old segment left there when the job finished; the host free again {free_after:.0f} s after its link came back")
 
 
 def test_jobgen_torque_a_sister_that_powers_off_in_a_job_without_spares_is_continued_without_it(
@@ -170,6 +211,9 @@ def test_jobgen_torque_a_mother_superior_that_powers_off_is_continued_by_a_survi
             f"node {sister} submitted continuation {next_id} (restart 1)") in text, run_logs(run_dir)
     first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", [mother], "completed"), run_logs(run_dir)
+    # Node 1's supervisor found the master silent on the network (its probe), not by the 60 s bound.
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert (str(hang["restart"]), hang["cause"], hang["node_ranks"]) == ("0", "unreachable", [0]), hang
     continued_on = nodes_of((run_dir / "logs" / f"{next_id}.out").read_text().replace("(restart 1)", "(restart 0)"), next_id)
     assert mother not in continued_on, continued_on
     assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
@@ -182,7 +226,8 @@ def test_jobgen_torque_a_mother_superior_that_powers_off_is_continued_by_a_survi
     cluster.power_on(mother)
     back_at = time.time()
     wait_for(lambda: qstat_state(cluster, job_id) in ("C", ""), "the stuck job to end", 300)
-    print(f"Torque, the mother superior powered off at step {reached}: continued by node 1 as job {next_id} on "
+    print(f"Torque, the mother superior powered off at step {reached}: named unreachable by node 1 {hang['at'] - off_at:.0f} s "
+          f"after; continued by node 1 as job {next_id} on "
           f"{' '.join(continued_on)}, submitted {submitted_at - off_at:.0f} s after (seen within 1 s), first new step "
           f"{first_new_step:.0f} s after; {again} step(s) trained again; the stuck job {stuck} until its host came back, "
           f"ended {time.time() - back_at:.0f} s after that")
