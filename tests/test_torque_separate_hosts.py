@@ -237,3 +237,34 @@ def qstat_state(cluster, job_id: str) -> str:
     """The job's state letter in `qstat -f` (R, E, C...), "" once the server no longer knows it."""
     shown = cluster.run("host1", ["qstat", "-f", job_id]).stdout
     return next((line.split("=", 1)[1].strip() for line in shown.splitlines() if line.strip().startswith("job_state =")), "")
+
+
+def test_jobgen_torque_a_sister_whose_mom_dies_alone_ends_when_its_training_does(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """No spares; node 1's pbs_mom dies alone mid-training, its ranks, network and mount living on.
+    Torque has no rule that ends a job for it: the server marks the node down at its next check
+    (node_check_rate) and training goes on undisturbed. At the end pbsdsh waits for the dead MoM's
+    report of its task, which never comes; the batch script ends a launcher that outlived its
+    node's own record on a node the server shows down, and the mother superior finishes the job
+    after `$job_exit_wait_time`. Prints the figures."""
+    cluster = torque_on_hosts
+    job = lora_job(tiny, "mom-death", setup=[], step_delay=2)
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    wait_for_step(run_dir, SAVE_INTERVAL + 1)
+    mother, sister = nodes_of((run_dir / "logs" / f"{job_id}.out").read_text(), job_id)
+    powered_off.append(sister)  # its MoM started again after the test
+    killed_at = cluster.kill_mom(sister)
+    wait_for(lambda: "down" in cluster.node_state(sister), f"the server to show {sister} down", 200)
+    down_at = time.time()
+    wait_until_complete(cluster, job_id, run_dir, 300)
+    finished_at = time.time()
+    (segment,) = status_segments(cluster, run_dir)
+    assert (segment["outcome"], segment["restart"]) == ("completed", 0), f"{segment}\n{run_logs(run_dir)}"
+    assert trained_steps(run_dir) == list(range(1, MAX_STEPS + 1))  # each once: never interrupted
+    assert_bitwise_equal(run_dir, reference)
+    metrics = [json.loads(line) for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()]
+    reached = max(m["step"] for m in metrics if m["time"] <= killed_at)
+    last_step = max(m["time"] for m in metrics)
+    print(f"Torque: the sister's pbs_mom killed alone at step {reached}: {sister} down in pbsnodes {down_at - killed_at:.0f} s "
+          f"after; training went on; the job complete {finished_at - last_step:.0f} s after its last step")

@@ -105,6 +105,19 @@ def kill_every_process_of(host: Host) -> list[int]:
     raise AssertionError(f"{host.name}: processes still running after 20 rounds of SIGKILL")
 
 
+def kill_daemon(host: Host, name: str) -> float:
+    """The host's daemon `name` (its pbs_mom, slurmd) dies alone, SIGKILLed; its other processes,
+    network and mount live on. Returns the time of it."""
+    at = time.time()
+    pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True, timeout=30).stdout.split()
+    daemons = [int(pid) for pid in pids if Path(f"/proc/{pid}/comm").exists()
+               and Path(f"/proc/{pid}/comm").read_text().strip() == name]
+    assert daemons, f"no {name} on {host.name}"
+    for pid in daemons:
+        os.kill(pid, signal.SIGKILL)
+    return at
+
+
 def training_processes_of(host: Host) -> list[int]:
     """The pids of a job's training processes (jobgen-torchrun and its ranks) on `host`."""
     found = []

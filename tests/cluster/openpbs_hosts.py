@@ -33,9 +33,7 @@ The hosts share the machine's process table: a host's daemons are stopped with i
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,14 +115,7 @@ class OpenPbsOnHosts(separate.ComplexOnHosts):
     def kill_mom(self, name: str) -> float:
         """Compute host `name`'s pbs_mom dies alone; its ranks, network and mount live on. Returns
         the time of it."""
-        at = time.time()
-        pids = subprocess.run(["ip", "netns", "pids", self.host(name).netns], capture_output=True, text=True).stdout.split()
-        daemons = [int(pid) for pid in pids if Path(f"/proc/{pid}/comm").exists()
-                   and Path(f"/proc/{pid}/comm").read_text().strip() == "pbs_mom"]
-        assert daemons, f"no pbs_mom on {name}"
-        for pid in daemons:
-            os.kill(pid, 9)
-        return at
+        return separate.kill_daemon(self.host(name), "pbs_mom")
 
     def power_on(self, name: str) -> None:
         """Compute host `name` back as after a reboot: what is left of it killed, its link up, sshd,

@@ -108,14 +108,7 @@ class SlurmOnHosts:
 
     def kill_slurmd(self, name: str) -> float:
         """Node `name`'s slurmd dies alone; its ranks, network and mount live on."""
-        at = time.time()
-        pids = subprocess.run(["ip", "netns", "pids", self.node(name).host.netns], capture_output=True, text=True).stdout.split()
-        daemons = [int(pid) for pid in pids if Path(f"/proc/{pid}/comm").exists()
-                   and Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd"]
-        assert daemons, f"no slurmd on {name}"
-        for pid in daemons:
-            os.kill(pid, 9)
-        return at
+        return separate.kill_daemon(self.node(name).host, "slurmd")
 
     def power_on(self, name: str) -> None:
         """Node `name` back as after a reboot: what is left of it killed, its link up, sshd, the

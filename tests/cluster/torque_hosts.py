@@ -94,6 +94,11 @@ class TorqueOnHosts(separate.ComplexOnHosts):
         separate.power_off(self.host(name))
         return at
 
+    def kill_mom(self, name: str) -> float:
+        """Compute host `name`'s pbs_mom dies alone; its ranks, network and mount live on. Returns
+        the time of it."""
+        return separate.kill_daemon(self.host(name), "pbs_mom")
+
     def power_on(self, name: str) -> None:
         """Compute host `name` back as after a reboot: its link up, sshd, its mounts, trqauthd and
         pbs_mom started afresh; returns once the server has the node free again."""
