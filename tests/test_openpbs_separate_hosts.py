@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.hosts import (assert_probe_met_at_node_0, link_down, link_up, powered_off_hosts, run_logs, status_segments,
-                                training_processes_of)
+from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, link_down, powered_off_hosts, run_logs,
+                                status_segments)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
@@ -458,16 +458,10 @@ def test_jobgen_openpbs_a_partitioned_sister_is_replaced_by_the_spare_and_the_ho
     first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
     assert_at_most_one_step_lost(run_dir, second["first_step"], cut_at)
-    left = training_processes_of(cluster.host(sister))
-    back_at = time.time()
-    link_up(cluster.host(sister))
-    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
-    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to take {sister} back", 180)
-    free_after = time.time() - back_at
-    powered_off.remove(sister)
+    left, free_after = back_on_the_network(cluster, sister, powered_off)
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, second["first_step"])
     print(f"OpenPBS, spare nodes: node 1's host cut off at step {reached}: restarted on {mother}+{spare} inside the job, "
-          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {len(left)} process(es) of the "
+          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {left} process(es) of the "
           f"old segment left there when the job finished; the host free again {free_after:.0f} s after its link came back")
 
 
@@ -500,16 +494,10 @@ def test_jobgen_openpbs_a_partitioned_sister_of_a_job_without_spares_ends_bitwis
     if first["outcome"] == "node_failed":
         assert first["nodes"] == [sister] and len(submitted) == 2, (first, submitted)
     assert_at_most_one_step_lost(run_dir, last["first_step"], cut_at)
-    left = training_processes_of(cluster.host(sister))
-    back_at = time.time()
-    link_up(cluster.host(sister))
-    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
-    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to take {sister} back", 180)
-    free_after = time.time() - back_at
-    powered_off.remove(sister)
+    left, free_after = back_on_the_network(cluster, sister, powered_off)
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, last["first_step"])
     acted = (f"jobgen's continuation {submitted[-1]}" if first["outcome"] == "node_failed"
              else "the server's rerun (the mother superior killed the job)")
     print(f"OpenPBS, no spares: node 1's host cut off at step {reached}: {acted}, first new step {first_new_step:.0f} s after; "
-          f"{again} step(s) trained again; {len(left)} process(es) of the old segment left there when the run completed; "
+          f"{again} step(s) trained again; {left} process(es) of the old segment left there when the run completed; "
           f"the host free again {free_after:.0f} s after its link came back")

@@ -15,8 +15,8 @@ from typing import Callable
 import pytest
 import yaml
 
-from tests.cluster.hosts import (assert_probe_met_at_node_0, link_down, link_up, powered_off_hosts, run_logs, status_segments,
-                                training_processes_of)
+from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, link_down, powered_off_hosts, run_logs,
+                                status_segments)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
@@ -153,16 +153,10 @@ def test_jobgen_torque_a_partitioned_sister_is_replaced_by_the_spare_and_the_hos
     first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), run_logs(run_dir)
     assert_at_most_one_step_lost(run_dir, second["first_step"], cut_at)
-    left = training_processes_of(cluster.host(sister))
-    back_at = time.time()
-    link_up(cluster.host(sister))
-    wait_for(lambda: not training_processes_of(cluster.host(sister)), f"the old segment's processes on {sister} to end", 180)
-    wait_for(lambda: cluster.node_state(sister) == "free", f"the server to have {sister} free again", 240)
-    free_after = time.time() - back_at
-    powered_off.remove(sister)
+    left, free_after = back_on_the_network(cluster, sister, powered_off)
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, cut_at, second["first_step"])
     print(f"Torque, spare nodes: node 1's host cut off at step {reached}: restarted on {mother}+{spare} inside the job, "
-          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {len(left)} process(es) of the "
+          f"first new step {first_new_step:.0f} s after; {again} step(s) trained again; {left} process(es) of the "
           f"old segment left there when the job finished; the host free again {free_after:.0f} s after its link came back")
 
 

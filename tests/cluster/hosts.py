@@ -348,6 +348,7 @@ class ComplexOnHosts:
     keepers: dict[str, int]  # host name -> pid of the process holding its namespaces
     shared: Path  # the shared folder, as every host mounts it
     served: Path  # the same folder, as this machine (and host1's file server) sees it
+    NAME: ClassVar[str] = ""  # the batch system, for messages
     BIN_DIRS: ClassVar[tuple[str, ...]] = ()
     HOST_ENV: ClassVar[tuple[str, ...]] = ()  # NAME=VALUE
 
@@ -370,6 +371,22 @@ def status_segments(cluster: ComplexOnHosts, run_dir: Path) -> list[dict]:
     status = cluster.jobgen_on_host1(["status", str(cluster.shared / run_dir.relative_to(cluster.served)), "--json"])
     assert status.returncode == 0, status.stderr
     return json.loads(status.stdout)["segments"]
+
+
+def back_on_the_network(cluster, name: str, powered_off: list[str]) -> tuple[int, float]:
+    """Host `name` of a PBS complex, cut off (its link down, its processes alive), on the network
+    again: waits until nothing of the job's old segment runs there and the server has the node free,
+    its MoM never restarted, and takes it out of `powered_off`. Returns how many training processes
+    were still there before the link came up, and the seconds from then until the node was free."""
+    host, state = cluster.host(name), cluster.complex_hosts.state
+    left = len(training_processes_of(host))
+    back_at = time.time()
+    link_up(host)
+    wait_for_daemons(lambda: not training_processes_of(host), f"the old segment's processes on {name} ended", state,
+                     cluster.NAME, timeout=180)
+    wait_for_daemons(lambda: cluster.node_state(name) == "free", f"{name} free again", state, cluster.NAME, timeout=240)
+    powered_off.remove(name)
+    return left, time.time() - back_at
 
 
 def run_logs(run_dir: Path) -> str:

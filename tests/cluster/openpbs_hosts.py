@@ -93,6 +93,7 @@ MOM_CONFIG = ("$clienthost host1\n$restrict_user False\n$restrict_user_maxsysid 
 @dataclass(frozen=True)
 class OpenPbsOnHosts(separate.ComplexOnHosts):
     complex_hosts: separate.ServerHosts | None = None  # to give a host its mounts again (power_on)
+    NAME = "OpenPBS"
     BIN_DIRS = (f"{PBS}/bin", f"{PBS}/sbin")
     # TMPDIR and PBS_TMPDIR outrank pbs.conf's PBS_TMPDIR: the host's own /tmp whatever they were.
     HOST_ENV = ("TMPDIR=/tmp", "PBS_TMPDIR=/tmp")

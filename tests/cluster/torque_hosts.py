@@ -69,6 +69,7 @@ class TorqueOnHosts(separate.ComplexOnHosts):
     user: str
     venv: Path  # jobgen for `user`
     complex_hosts: separate.ServerHosts | None = None  # to give a host its mounts again (power_on)
+    NAME = "Torque"
     BIN_DIRS = (f"{TORQUE}/bin", f"{TORQUE}/sbin")
 
     def as_user(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
