@@ -37,14 +37,12 @@ def shellcheck() -> str:
 # those of the PBS servers, and the CPU-bound rest a module at a time, so that a module's own
 # fixtures are made once; the modules sharing a costly session fixture go together. The two
 # longest cluster units come first and start at once, then the Slurm cluster of separate hosts
-# (its own slurmctld, a module of minutes), then the Torque and OpenPBS complexes of separate
-# hosts (10 to 16 minutes each: a long unit started late can be the run's tail); the `side`
-# nodes' unit runs where a worker takes it among the rest (a fourth worker at once only made
-# every unit slower on 2 CPUs, and timing-bound tests flaky). A test's first fixture in this order names its unit.
+# (its own slurmctld, a module of minutes); the `side` nodes' unit runs where a worker
+# takes it among the rest (a fourth worker at once only made every unit slower on 2 CPUs, and
+# timing-bound tests flaky). A test's first fixture in this order names its unit.
 UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
-FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py", "tests/test_torque_separate_hosts.py",
-         "tests/test_openpbs_separate_hosts.py")
+FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py", "tests/test_torque_separate_hosts.py")
 
 
 # First: pytest-xdist's own hook reads the marks to name each test's unit.
