@@ -281,3 +281,28 @@ def test_stand_in_pbs_jobgens_own_variables_reach_every_node_without_the_script_
     assert [(run_dir / f"delay-{node}").read_text() for node in (0, 1)] == ["0.25\n", "0.25\n"]
     script = (tmp_path / f"job.{flavour}.sh").read_text()
     assert [line for line in script.splitlines() if "JOBGEN_DEBUG" in line and "delay-$NODE_RANK" not in line] == []
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "torque"])
+def test_stand_in_pbsnodes_the_mother_superior_is_never_gone_on_the_servers_word(tmp_path: Path, scheduler: str) -> None:
+    """The batch script runs on the mother superior (the node file's first host): a server that
+    shows it down is wrong (its MoM, busy with a lost sister, missed its reports; seen on Torque),
+    and taking its word ended a healthy restart and excluded the script's own host. A stand-in
+    pbsnodes shows every node down; the script's own look at it names the others only."""
+    job = {**probe_job(3, 1), "name": "own-host", "resources": {"nodes": 2, "spare_nodes": 1, "gpus_per_node": 0}}
+    script = jobgen("render", "-s", scheduler, str(write_yaml(tmp_path / "job.yaml", job))).stdout
+    # Each function as the scheduler's hosts block defines it: the last definition (job.sh's own is a no-op).
+    functions = "\n".join(script[script.rindex(f"\n{name}() {{") + 1:].split("\n}\n", 1)[0] + "\n}"
+                          for name in ("jobgen_pbs_command", "jobgen_nodes_gone"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pbsdsh").write_text("#!/bin/sh\n")
+    (bin_dir / "pbsnodes").write_text("#!/bin/sh\nfor n in node1 node2 node3; do printf '%s\\n     state = down\\n\\n' \"$n\"; done\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    (tmp_path / "nodefile").write_text("node1.cluster\nnode2.cluster\nnode3.cluster\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PBS_NODEFILE": str(tmp_path / "nodefile"),
+           "PBS_CONF_FILE": str(tmp_path / "none")}
+    gone = subprocess.run(["bash", "-c", f"{functions}\njobgen_nodes_gone node1.cluster node2.cluster node3.cluster"],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert (gone.returncode, gone.stdout.split()) == (0, ["node2.cluster", "node3.cluster"]), gone.stderr
