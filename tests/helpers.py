@@ -4,6 +4,8 @@ package as pip lays it out."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import random
 import re
@@ -64,6 +66,30 @@ def tiny_model(folder: Path, conversations: int = 64) -> Path:
         check=True, capture_output=True))
     shutil.copytree(built, folder, dirs_exist_ok=True)
     return folder
+
+
+def uninterrupted_adapter(training: dict, tiny: Path) -> dict:
+    """The final adapter of a 2-node LoRA job with this `training` section (its model and data
+    those of `tiny`, a tiny_model folder) run without interruption: two simulated nodes of this
+    machine, `jobgen submit -s local`, the ranks, backend and data order of a cluster's two nodes.
+    Trained once per test run for each training section, which is the cache's key: the modules of
+    every scheduler compare their interrupted runs with it."""
+    training = {key: value for key, value in training.items() if key not in ("model", "data")}
+    key = hashlib.sha256(json.dumps(training, sort_keys=True).encode()).hexdigest()[:12]
+
+    def train(folder: Path) -> None:
+        folder.mkdir()
+        job = {"name": "reference", "resources": {"nodes": 2, "gpus_per_node": 0}, "launch": {"procs_per_node": 1},
+               "training": {"model": str(tiny / "model"), "data": str(tiny / "data.json"), **training}}
+        (folder / "job.yaml").write_text(json.dumps(job))  # YAML's superset
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        result = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=folder, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        metrics = (folder / "runs" / "reference" / "output" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in metrics] == list(range(1, training["max_steps"] + 1))
+
+    return adapter(once_per_run(f"reference-{key}", train) / "runs" / "reference")
 
 
 def node_script_of(script: str) -> str:

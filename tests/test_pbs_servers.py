@@ -21,7 +21,6 @@ import random
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import pytest
 import yaml
 
 from tests.cluster.pbs_servers import PbsServer
-from tests.helpers import adapter, assert_at_most_one_step_lost, assert_bitwise_equal, once_per_run, tiny_model
+from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model, uninterrupted_adapter
 
 MAX_STEPS = 12
 SAVE_INTERVAL = 4
@@ -76,21 +75,9 @@ def lora_job(tiny: Path, name: str, setup: list[str], step_delay: float = 0, **s
 
 @pytest.fixture(scope="module")
 def reference(tiny: Path) -> dict:
-    """The job run once without interruption: two simulated nodes of this machine (the same
-    ranks, backend and data order as on a server's two nodes). Trained once per test run: the
-    modules of the PBS servers and of the complexes of separate hosts share it."""
-    def train(folder: Path) -> None:
-        folder.mkdir()
-        job = lora_job(tiny, "reference", setup=[])
-        job["environment"]["secrets"] = []
-        (folder / "job.yaml").write_text(yaml.safe_dump(job))
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-        result = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=folder, env=env,
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert trained_steps(folder / "runs" / "jobgen-test-reference") == list(range(1, MAX_STEPS + 1))
-
-    return adapter(once_per_run("pbs-reference", train) / "runs" / "jobgen-test-reference")
+    """The job run once without interruption (tests.helpers.uninterrupted_adapter: once per test
+    run, shared with the Slurm modules and the complexes of separate hosts)."""
+    return uninterrupted_adapter(lora_job(tiny, "reference", setup=[])["training"], tiny)
 
 
 def write_job(server: PbsServer, folder: Path, job: dict) -> Path:

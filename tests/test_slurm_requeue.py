@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import adapter, assert_bitwise_equal, jobgen, tiny_model  # noqa: F401 - adapter: also imported from here
+from tests.helpers import adapter, assert_bitwise_equal, jobgen, tiny_model, uninterrupted_adapter  # noqa: F401 - adapter: also imported from here
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -32,16 +32,18 @@ VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 PATHS = ("sbatch", "jobgen-submit")
 
 
+def training(tiny: Path) -> dict:
+    return {"model": str(tiny / "model"), "data": str(tiny / "data.json"), "method": "lora", "precision": "fp32",
+            "per_device_batch_size": 2, "max_length": 64, "max_steps": MAX_STEPS, "save_interval": SAVE_INTERVAL}
+
+
 def job_file(folder: Path, tiny: Path, name: str, partition: str = "debug", **sections) -> Path:
     job = {
         "name": f"jobgen-test-{name}",
         # Exclusive: the two jobs of a scenario get disjoint nodes.
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:20:00", "partition": partition, "exclusive": True},
         "launch": {"procs_per_node": 1},
-        "training": {
-            "model": str(tiny / "model"), "data": str(tiny / "data.json"), "method": "lora", "precision": "fp32",
-            "per_device_batch_size": 2, "max_length": 64, "max_steps": MAX_STEPS, "save_interval": SAVE_INTERVAL,
-        },
+        "training": training(tiny),
         "requeue": {"max_restarts": 3, "warning_seconds": 30},
     }
     for section, values in sections.items():
@@ -161,15 +163,10 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory, request) -> dict:
-    """The same job, run once on the cluster without interruption, in the partition of the
-    module's jobs (its PARTITION)."""
-    config = job_file(tmp_path_factory.mktemp("reference"), tiny, "reference", getattr(request.module, "PARTITION", "debug"))
-    job_id = submit("jobgen-submit", config, step_delay=0)
-    assert wait_until_done(job_id) == "COMPLETED"
-    run_dir = config.parent / "runs" / "jobgen-test-reference"
-    assert_every_step_trained_once(run_dir)
-    return adapter(run_dir)
+def reference(tiny: Path) -> dict:
+    """The same job run once without interruption (tests.helpers.uninterrupted_adapter: once per
+    test run, on this machine, shared with every module whose training is this one)."""
+    return uninterrupted_adapter(training(tiny), tiny)
 
 
 def start_both(tmp_path: Path, tiny: Path, name: str, step_delay: float, **sections) -> dict[str, tuple[str, Path]]:

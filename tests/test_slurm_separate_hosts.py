@@ -18,7 +18,7 @@ from jobgen.train.heartbeat import detection_delay
 from tests.cluster import hosts as separate
 from tests.cluster.hosts import REAL_INTERFACE, powered_off_hosts
 from tests.cluster.slurm_hosts import CACHE_SECONDS
-from tests.helpers import adapter, assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model
+from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model, uninterrupted_adapter
 from tests.processes import hang_node
 from tests.test_pbs_scripts import probe_job
 from tests.test_slurm_requeue import MAX_STEPS, SAVE_INTERVAL, segments, trained_steps, wait_for
@@ -117,10 +117,9 @@ def what_slurm_and_the_logs_say(cluster, job_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def reference(slurm_on_hosts) -> dict:
-    """The training run once without interruption on these hosts: its adapter."""
-    job_id, run_dir = submit(slurm_on_hosts, "reference", training(slurm_on_hosts))
-    assert ended(slurm_on_hosts, job_id) == "COMPLETED"
-    return adapter(run_dir)
+    """The training run once without interruption: its adapter (tests.helpers.uninterrupted_adapter,
+    trained on this machine once per test run for every module whose training is this one)."""
+    return uninterrupted_adapter(training(slurm_on_hosts)["training"], slurm_on_hosts.served / "tiny")
 
 
 def test_jobgen_slurm_training_preempted_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(
