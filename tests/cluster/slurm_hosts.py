@@ -180,6 +180,11 @@ SlurmdLogFile={state}/slurmd-%n.log
 MessageTimeout=10
 SlurmdTimeout=30
 MinJobAge=300
+# A continuation (--dependency=afterany on the ended job) is free to start only once that job is
+# gone, which no scheduling event follows: it waited for the next periodic pass, 48 s once (the
+# main scheduler's sched_interval is 60 s, backfill's bf_interval 30 s). As the Slurm test cluster:
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=5
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
