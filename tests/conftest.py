@@ -83,6 +83,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """The seconds each unit took (setup, call and teardown of its tests, one after another on its
     worker): the longest unit is the floor of the whole run's time, the one to split or speed up."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    workers: dict[str, list[float]] = defaultdict(lambda: [float("inf"), 0.0, 0.0])  # first start, last stop, seconds
     for reports in terminalreporter.stats.values():
         for report in reports:
             nodeid, duration = getattr(report, "nodeid", ""), getattr(report, "duration", None)
@@ -91,8 +92,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
             unit = totals[nodeid.rsplit("@", 1)[1]]
             unit[0] += duration
             unit[1] += report.when == "call"
+            worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)  # pytest-xdist's
+            if worker and hasattr(report, "start"):
+                span = workers[worker]
+                span[0], span[1], span[2] = min(span[0], report.start), max(span[1], report.stop), span[2] + duration
     if totals and not getattr(terminalreporter, "_jobgen_units_shown", False):
         terminalreporter._jobgen_units_shown = True  # the hook runs twice under pytest-xdist
         terminalreporter.write_sep("=", "seconds by unit (the longest first)")
         for unit, (seconds, tests) in sorted(totals.items(), key=lambda item: -item[1][0])[:8]:
             terminalreporter.write_line(f"{seconds:8.0f} s  {tests:4d} tests  {unit}")
+        # A worker that ran out of tests long before the others: the units are unevenly spread, and
+        # reordering them (FIRST) would shorten the run; all ending together: only less work would.
+        if workers:
+            began = min(span[0] for span in workers.values())
+            terminalreporter.write_line("workers: " + "; ".join(
+                f"{worker} busy {seconds:.0f} s, done {(stop - began) / 60:.1f} min in"
+                for worker, (_, stop, seconds) in sorted(workers.items())))
