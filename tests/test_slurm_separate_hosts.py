@@ -320,13 +320,17 @@ def test_jobgen_slurm_a_spare_that_died_idle_is_not_chosen_when_a_worker_fails_l
     cluster = slurm_on_hosts
     job = training(cluster)
     job["resources"]["spare_nodes"] = 2
-    # Slow steps: the spare must be DOWN (SlurmdTimeout, 30 s) before the worker fails mid-run.
-    job_id, run_dir = submit(cluster, "dead-spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "8"})
-    wait_for(lambda: any(step >= 1 for step in trained_steps(run_dir)), "step 1", 300)
+    # The spare must be DOWN (SlurmdTimeout, 30 s) before the worker fails mid-run: it powers off
+    # as the job starts (no step of the job runs there), and the steps are slow enough (5 s) that
+    # Slurm's word comes while training.
+    job_id, run_dir = submit(cluster, "dead-spare", job, env={"JOBGEN_DEBUG_STEP_DELAY": "5"})
+    log = run_dir / "logs" / f"{job_id}.out"
+    wait_for(lambda: log.exists() and f"jobgen: job {job_id} (restart 0) on cn001 cn002" in log.read_text(), "the start", 120)
     assert job_state(cluster, job_id)["NodeList"] == "cn[001-004]"
     powered_off.append("cn003")  # the first spare
     cluster.power_off("cn003")
     wait_for(lambda: "DOWN" in cluster.node_state("cn003"), "Slurm to mark the dead spare DOWN", 120)
+    wait_for(lambda: any(step >= 2 for step in trained_steps(run_dir)), "step 2", 300)
     assert max(trained_steps(run_dir)) < MAX_STEPS - 2
     powered_off.append("cn002")
     failed_at = cluster.power_off("cn002")
