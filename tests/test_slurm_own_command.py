@@ -49,10 +49,13 @@ def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -
 def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path: Path, script: str) -> None:
     tiny = tmp_path / "tiny"
     tiny_model(tiny)
+    # The uninterrupted run beside the one to preempt, on the partition's two other nodes; done
+    # before the preemption, which takes every node of the partition.
     reference_id, _ = start(tmp_path / "reference", script, tiny, f"{script}-reference", step_delay=0)
-    assert wait_until_done(reference_id, timeout=300) == "COMPLETED"
     job_id, run_dir = start(tmp_path / "preempted", script, tiny, f"{script}-preempt", step_delay=2)
+    assert wait_until_done(reference_id, timeout=300) == "COMPLETED"
     wait_for(lambda: any(entry["step"] >= 3 for entry in logged(tmp_path / "preempted")), "step 3", timeout=240)
+    assert max(entry["step"] for entry in logged(tmp_path / "preempted")) < 10, "trained past the preemption's window"
     preempt_everything()
     release_when_requeued(job_id, restarts=1)
     assert wait_until_done(job_id, timeout=300) == "COMPLETED"
