@@ -3,8 +3,8 @@
 hosts whose own name is 127.0.1.1 on themselves, each with a first interface that routes nowhere,
 the run folder on a network file system that each host mounts on its own, and pbsdsh starting
 the second node's task through the MoMs and pbs_comm, with the task's bare environment; and a
-compute host that powers off mid-training. About 5 minutes, a third of it the uninterrupted
-reference run."""
+compute host that powers off mid-training, cut off or loses its MoM. About 17 minutes of a worker (11 tests;
+the uninterrupted reference is the test run's one, tests.helpers.uninterrupted_adapter)."""
 
 from __future__ import annotations
 
