@@ -73,9 +73,14 @@ def uninterrupted_adapter(training: dict, tiny: Path) -> dict:
     those of `tiny`, a tiny_model folder) run without interruption: two simulated nodes of this
     machine, `jobgen submit -s local`, the ranks, backend and data order of a cluster's two nodes.
     Trained once per test run for each training section, which is the cache's key: the modules of
-    every scheduler compare their interrupted runs with it."""
+    every scheduler compare their interrupted runs with it, and the bytes of the model and data
+    (tiny_model folders of another size would otherwise share a cached run)."""
     training = {key: value for key, value in training.items() if key not in ("model", "data")}
-    key = hashlib.sha256(json.dumps(training, sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps(training, sort_keys=True).encode())
+    for path in sorted([tiny / "data.json", *(tiny / "model").rglob("*")]):
+        if path.is_file():
+            digest.update(path.read_bytes())
+    key = digest.hexdigest()[:12]
 
     def train(folder: Path) -> None:
         folder.mkdir()
