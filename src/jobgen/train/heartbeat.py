@@ -294,7 +294,7 @@ class Supervisor:
     longest_pause: Optional[float] = None  # of its ranks' recent pauses in training, for people
     listener: Optional[Listener] = None  # answers the other nodes' probes (reachability.py)
     prober: Optional[Prober] = None
-    _asked_seq: dict = field(default_factory=dict)  # node rank -> its sequence number when first probed
+    _asked_seq: dict = field(default_factory=dict)  # node rank -> (its sequence number, its failed probes when first seen)
     # After a hang: this node has taken its ranks' stacks; as an aggregator, has seen every node do so.
     _stacks_taken: bool = False
     _all_stacks_taken: bool = False
@@ -423,8 +423,8 @@ class Supervisor:
         waits. Asked only while `asking` (the job still for longer than its usual pause: a job
         that trains probes nothing but each node once), of every other node, whatever its last
         summary said (a node that reported its ranks still may have gone down since). A node
-        counts once it has failed UNREACHABLE_PROBES probes in a row and published nothing since
-        it was first asked about."""
+        counts once it has failed UNREACHABLE_PROBES probes in a row since its last new summary was
+        seen (or since it was first asked about)."""
         if self.prober is None:
             return []
         known = {}
@@ -435,13 +435,20 @@ class Supervisor:
         self.prober.learn(known)  # does each answer at all (`Prober`)
         asked = known if asking else {}
         self.prober.ask(asked)
-        # Each node's summary as it was when first asked about: one published since is an answer.
-        self._asked_seq = {k: self._asked_seq.get(k, self._seen.get(k, (None,))[0]) for k in asked}
-        lost = []
+        # Each node's summary as last seen, with its failed probes then: a summary seen since is an
+        # answer, and the count starts again from it. Not for good: the summary a node published
+        # just before it went down may be read a read interval later, after its probes began to fail.
+        counts, lost = {}, []
         for k in asked:
             failed = self.prober.unreachable(k)
-            if failed and failed[1] >= UNREACHABLE_PROBES and self._seen.get(k, (None,))[0] == self._asked_seq[k]:
+            count, seq = failed[1] if failed else 0, self._seen.get(k, (None,))[0]
+            seen_seq, before = self._asked_seq.get(k, (seq, 0))
+            if seen_seq != seq or count < before:  # a new summary, or a probe answered since
+                before = count
+            counts[k] = (seq, before)
+            if count - before >= UNREACHABLE_PROBES:
                 lost.append(k)
+        self._asked_seq = counts
         return lost
 
     def all_ranks(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
