@@ -10,6 +10,7 @@ model in host memory (16 GB per rank for an 8B model in bf16, 128 GB on an 8-GPU
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -42,14 +43,59 @@ def import_deepspeed() -> Any:
     job's own tracker, which imports it when it needs it."""
     if "mlflow" in sys.modules or "deepspeed" in sys.modules:
         import deepspeed
-
-        return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
-    try:
-        import deepspeed
-    finally:
-        del sys.modules["mlflow"]
+    else:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
+        try:
+            import deepspeed
+        finally:
+            del sys.modules["mlflow"]
+    import_muon_compiled_when_used()
     return deepspeed
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def import_muon_compiled_when_used() -> None:
+    """DeepSpeed's Muon optimizer module, imported with its kernels compiled at their first call
+    rather than at import. DeepSpeed (0.18 on) imports that module in every ZeRO engine's set-up
+    (its optimizer check) and ZeRO-1/2 gradient reduction, whatever the optimizer, and the module
+    decorates its kernels with torch.compile, which imports torch._inductor: about a CPU-second of
+    every rank's start-up, at every restart (BENCHMARKS.md), for an optimizer few jobs use. A job
+    whose DeepSpeed config names Muon compiles the same kernels on their first call. A DeepSpeed
+    without that module, or without `compiler.compile`, is left as it is."""
+    if MUON_MODULE in sys.modules:
+        return
+    try:
+        from deepspeed.runtime import compiler
+    except ImportError:
+        return
+    at_import = getattr(compiler, "compile", None)
+    if at_import is None:
+        return
+
+    def compile_at_first_call() -> Any:
+        def decorate(function: Any) -> Any:
+            compiled = None
+
+            @functools.wraps(function)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = at_import()(function)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = compile_at_first_call
+    try:
+        from deepspeed.runtime.zero.muon import original_muon  # noqa: F401
+    except ImportError:
+        pass  # a DeepSpeed without Muon
+    finally:
+        compiler.compile = at_import
 
 
 def torch_dtype(precision: str) -> Any:
