@@ -1,7 +1,11 @@
 """Preemption, time limit, restart bound and a lost node, on the real Slurm test cluster.
 
-Every scenario runs twice side by side, on disjoint nodes: the rendered script submitted by hand
-with `sbatch`, and the same job through `jobgen submit`. Each job is a 2-node LoRA fine-tune of a
+A scenario runs the rendered script submitted by hand with `sbatch`, or the same job through
+`jobgen submit`, or both side by side on disjoint nodes: a preemption, a failure and the restart
+bound on both, the time limit, the restart count and a lost node on one each. Once submitted the
+two are the same script (`jobgen submit` gives submitit the rendered script unchanged, and
+tests/test_slurm_submit.py shows both start the same processes with the same variables), so a
+second run of a scenario repeats its processes, not its path. Each job is a 2-node LoRA fine-tune of a
 tiny model (real DeepSpeed ZeRO-2 on gloo); JOBGEN_DEBUG_STEP_DELAY slows its steps so the test
 can interrupt it mid-training. The final adapter of every interrupted run must be bitwise equal to
 the same job run without interruption, and every optimizer step must be trained exactly once.
@@ -169,16 +173,17 @@ def reference(tiny: Path) -> dict:
     return uninterrupted_adapter(training(tiny), tiny)
 
 
-def start_both(tmp_path: Path, tiny: Path, name: str, step_delay: float, **sections) -> dict[str, tuple[str, Path]]:
+def start(tmp_path: Path, tiny: Path, name: str, step_delay: float, paths: tuple[str, ...] = PATHS,
+          **sections) -> dict[str, tuple[str, Path]]:
     started = {}
-    for path in PATHS:
+    for path in paths:
         config = job_file(tmp_path / path, tiny, name, **sections)
         started[path] = (submit(path, config, step_delay), config.parent / "runs" / f"jobgen-test-{name}")
     return started
 
 
 def test_a_preempted_job_comes_back_by_itself_and_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
-    jobs = start_both(tmp_path, tiny, "preempt", step_delay=2)
+    jobs = start(tmp_path, tiny, "preempt", step_delay=2)
     for _, run_dir in jobs.values():
         wait_for_step(run_dir, 2)
     preempted_at = time.time()
@@ -203,8 +208,8 @@ def test_a_preempted_job_comes_back_by_itself_and_finishes_exactly(tmp_path: Pat
 def test_a_job_at_its_time_limit_checkpoints_requeues_and_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
     # Slurm sends the warning 60 s before the end (it may come up to a minute early), so each
     # segment trains for between 0.5 and 1.5 minutes; 12 steps of 10 s need at least two segments.
-    jobs = start_both(tmp_path, tiny, "timelimit", step_delay=10,
-                      resources={"time_limit": "00:02:30"}, requeue={"warning_seconds": 60, "max_restarts": 5})
+    jobs = start(tmp_path, tiny, "timelimit", step_delay=10, paths=("jobgen-submit",),
+                 resources={"time_limit": "00:02:30"}, requeue={"warning_seconds": 60, "max_restarts": 5})
     for path, (job_id, run_dir) in jobs.items():
         released = 0
         while (fields := job_fields(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
@@ -228,7 +233,7 @@ def test_a_job_at_its_time_limit_checkpoints_requeues_and_finishes_exactly(tmp_p
 
 
 def test_a_job_preempted_more_often_than_max_restarts_stops_and_says_so(tmp_path: Path, tiny: Path) -> None:
-    jobs = start_both(tmp_path, tiny, "bound", step_delay=2, requeue={"max_restarts": 1})
+    jobs = start(tmp_path, tiny, "bound", step_delay=2, paths=("sbatch",), requeue={"max_restarts": 1})
     for _, run_dir in jobs.values():
         wait_for_step(run_dir, 2)
     preempt_everything()
@@ -255,7 +260,7 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
     where a node really vanishes, its ranks cannot join that save and the last periodic
     checkpoint is used. Either way no more than one save interval may be lost.
     """
-    jobs = start_both(tmp_path, tiny, "nodelost", step_delay=2)
+    jobs = start(tmp_path, tiny, "nodelost", step_delay=2, paths=("jobgen-submit",))
     for _, run_dir in jobs.values():
         wait_for_step(run_dir, SAVE_INTERVAL + 2)
     lost_at_step = {}
@@ -281,7 +286,7 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
 def test_a_job_that_fails_for_another_reason_is_not_requeued(tmp_path: Path, tiny: Path) -> None:
     # A folder the login node cannot see: `jobgen submit` only warns, and the nodes find no file.
     missing = "/jobgen-test-not-mounted-here/missing.json"
-    jobs = start_both(tmp_path, tiny, "fails", step_delay=0, training={"data": missing})
+    jobs = start(tmp_path, tiny, "fails", step_delay=0, training={"data": missing})
     for path, (job_id, run_dir) in jobs.items():
         assert wait_until_done(job_id) == "FAILED", path
         assert job_fields(job_id)["Restarts"] == "0", path
