@@ -176,12 +176,16 @@ def test_a_rename_onto_the_empty_folder_of_another_nodes_look_is_tried_again(sha
         looking = threading.Thread(target=look_from_node_a)
         looking.start()
         try:
-            time.sleep(0.1)
+            # Looking already, however slow the machine (a sleep of 0.1 s saw 5 looks in all on
+            # a loaded one), so that the build below meets them.
+            deadline = time.monotonic() + 30
+            while looks[0] < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
             placed.append(_build_under_lock(str(node_b / "looks" / key), build, str(node_b / "looks" / f"{key}.failed")))
         finally:
             stop.set()
             looking.join()
-        assert looks[0] > 5  # the looks went on throughout
+        assert looks[0] > 5  # the looks went on throughout: one at least after the build began
     assert placed == [True] * len(keys)
     assert all((shared_fs.served / "looks" / key / COMPLETE).exists() for key in keys)
     assert sorted(p.name for p in (shared_fs.served / "looks").iterdir()) == keys  # no temporary folder left
