@@ -5,6 +5,7 @@ SYN, as it drops a firewalled one."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -83,8 +84,10 @@ def test_a_node_that_answered_once_and_then_stops_is_counted_and_one_that_never_
         firewalled.close()
 
 
-def test_the_supervisor_names_a_node_only_while_the_job_waits_and_only_while_its_summary_stays_the_same(
-        quick, tmp_path) -> None:
+@contextlib.contextmanager
+def aggregator_of_a_node_gone_silent(tmp_path):
+    """Node 0's supervisor, which has read node 1's summary (sequence number 7) and learned that
+    node 1 answers probes; then node 1's port stops answering. Yields the supervisor."""
     listener = Listener(socket.AF_INET, "127.0.0.1")
     supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=2, override=None)
     supervisor.prober = Prober()
@@ -96,17 +99,29 @@ def test_the_supervisor_names_a_node_only_while_the_job_waits_and_only_while_its
         time.sleep(0.6)  # learned: it answers
         listener.close()
         gone = full_queue(listener.address[1])
-        assert supervisor.unreachable(asking=False) == []  # the job trains: nobody is asked
-        deadline = time.monotonic() + 5
-        while not (lost := supervisor.unreachable(asking=True)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert lost == [1]
-        supervisor._seen[1] = (8, 1.0)  # it published since it was first asked about: alive
-        assert supervisor.unreachable(asking=True) == []
-        gone.close()
+        try:
+            yield supervisor
+        finally:
+            gone.close()
     finally:
         supervisor.prober.close()
         listener.close()
+
+
+def named_while_asking(supervisor, within: float = 5) -> list[int]:
+    deadline = time.monotonic() + within
+    while not (lost := supervisor.unreachable(asking=True)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return lost
+
+
+def test_the_supervisor_names_a_node_only_while_the_job_waits_and_only_while_its_summary_stays_the_same(
+        quick, tmp_path) -> None:
+    with aggregator_of_a_node_gone_silent(tmp_path) as supervisor:
+        assert supervisor.unreachable(asking=False) == []  # the job trains: nobody is asked
+        assert named_while_asking(supervisor) == [1]
+        supervisor._seen[1] = (8, 1.0)  # it published since it was first asked about: alive
+        assert supervisor.unreachable(asking=True) == []
 
 
 def test_a_summary_read_after_the_probes_began_failing_restarts_their_count_and_does_not_clear_the_node_for_good(
@@ -115,26 +130,9 @@ def test_a_summary_read_after_the_probes_began_failing_restarts_their_count_and_
     # to a read interval (3 s) after the kill: often after the job has begun to wait and its probes
     # to fail. Taken for an answer for good, the node was named only after the 60 s floor (a
     # separate-hosts test failed in CI so). It is an answer once: two more failed probes name it.
-    listener = Listener(socket.AF_INET, "127.0.0.1")
-    supervisor = Supervisor(str(tmp_path), "5", "0", node_rank=0, nnodes=2, override=None)
-    supervisor.prober = Prober()
-    summary = {"job_id": "5", "restart": "0", "seq": 7, "stalled": False, "probe": list(listener.address),
-               "ranks": [{"rank": 1, "node": "gpu2"}]}
-    supervisor._last_read, supervisor._seen = {1: summary}, {1: (7, 0.0)}
-    try:
-        assert supervisor.unreachable(asking=False) == []
-        time.sleep(0.6)  # learned: it answers
-        listener.close()
-        gone = full_queue(listener.address[1])
+    with aggregator_of_a_node_gone_silent(tmp_path) as supervisor:
         assert supervisor.unreachable(asking=True) == []  # the job waits: node 1 is asked about
         time.sleep(0.5)  # a probe has failed
         supervisor._seen[1] = (8, 1.0)  # the summary it published before it went down, read late
         assert supervisor.unreachable(asking=True) == []
-        deadline = time.monotonic() + 5
-        while not (lost := supervisor.unreachable(asking=True)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert lost == [1]
-        gone.close()
-    finally:
-        supervisor.prober.close()
-        listener.close()
+        assert named_while_asking(supervisor) == [1]
