@@ -139,6 +139,18 @@ def preempt_everything() -> None:
                    check=True, capture_output=True)
 
 
+def preempt_nodes_of(job_id: str) -> None:
+    """An exclusive job in the high-priority partition on the job's own nodes preempts it, and only it."""
+    nodes = job_fields(job_id)["NodeList"]
+    subprocess.run(["sbatch", "-p", "high", "--exclusive", f"-N{len(node_names(nodes))}", "-w", nodes,
+                    "--job-name=jobgen-test-preemptor", "--output=/dev/null", "--wrap", "sleep 3"],
+                   check=True, capture_output=True)
+
+
+def node_names(nodelist: str) -> list[str]:
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True).stdout.split()
+
+
 def segments(run_dir: Path) -> list[dict]:
     from jobgen.rundir.status import pair_segments
 
@@ -265,8 +277,7 @@ def test_a_node_lost_without_warning_resumes_losing_at_most_one_save_interval(tm
         wait_for_step(run_dir, SAVE_INTERVAL + 2)
     lost_at_step = {}
     for path, (job_id, run_dir) in jobs.items():
-        second_node = subprocess.run(["scontrol", "show", "hostnames", job_fields(job_id)["NodeList"]],
-                                     capture_output=True, text=True).stdout.split()[1]
+        second_node = node_names(job_fields(job_id)["NodeList"])[1]
         lost_at_step[path] = max(trained_steps(run_dir))
         subprocess.run(["scontrol", "update", f"NodeName={second_node}", "State=DOWN", "Reason=jobgen-test"], check=True)
     for job_id, _ in jobs.values():
