@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jobgen.job import hub_cache
 from jobgen.job.hub_api import check_downloadable
@@ -58,7 +58,7 @@ MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
 
 def import_muon_compiled_when_used() -> None:
     """DeepSpeed's Muon optimizer module, imported with its kernels compiled at their first call
-    rather than at import. DeepSpeed (0.18 on) imports that module in every ZeRO engine's set-up
+    rather than at import. DeepSpeed 0.19 imports that module in every ZeRO engine's set-up
     (its optimizer check) and ZeRO-1/2 gradient reduction, whatever the optimizer, and the module
     decorates its kernels with torch.compile, which imports torch._inductor: about a CPU-second of
     every rank's start-up, at every restart (BENCHMARKS.md), for an optimizer few jobs use. A job
@@ -74,28 +74,27 @@ def import_muon_compiled_when_used() -> None:
     if at_import is None:
         return
 
-    def compile_at_first_call() -> Any:
-        def decorate(function: Any) -> Any:
-            compiled = None
-
-            @functools.wraps(function)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                nonlocal compiled
-                if compiled is None:
-                    compiled = at_import()(function)
-                return compiled(*args, **kwargs)
-
-            return call
-
-        return decorate
-
-    compiler.compile = compile_at_first_call
+    compiler.compile = lambda: functools.partial(compiled_at_first_call, at_import)
     try:
         from deepspeed.runtime.zero.muon import original_muon  # noqa: F401
     except ImportError:
         pass  # a DeepSpeed without Muon
     finally:
         compiler.compile = at_import
+
+
+def compiled_at_first_call(compile_decorator: Callable[[], Any], function: Any) -> Any:
+    """`function`, compiled by `compile_decorator()` (DeepSpeed's `compiler.compile`) when first called."""
+    compiled = None
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if compiled is None:
+            compiled = compile_decorator()(function)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def torch_dtype(precision: str) -> Any:
