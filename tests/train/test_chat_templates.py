@@ -206,7 +206,7 @@ def test_a_run_in_the_models_template_saves_it_with_the_model(tools, tiny, tmp_p
     template = tmp_path / "qwen2.5.jinja"
     template.write_text(QWEN25)
     job = tools.write_job(tmp_path / "run", tiny, chat_template=str(template), max_steps=2)
-    result = tools.train(job)
+    result = tools.train(job, nproc=1)
     assert result.returncode == 0, result.stdout
     assert f"chat template: the chat template in {template}" in result.stdout
     assert AutoTokenizer.from_pretrained(job.parent / "output" / "final").chat_template == QWEN25

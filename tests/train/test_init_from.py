@@ -105,7 +105,7 @@ def test_init_from_mistakes_are_one_line_at_validate(finished, tiny, tmp_path, t
 def test_init_from_an_adapter_of_another_shape_is_refused_on_the_nodes(finished, tools, tiny, tmp_path):
     """A script rendered and handed to the scheduler without validate: the trainer says the same line."""
     job = tools.write_job(tmp_path / "second", tiny, init_from=str(finished / "final"), lora={"r": 8, "alpha": 16})
-    result = tools.train(job)
+    result = tools.train(job, nproc=1)  # refused before any weight is read
     assert result.returncode != 0
     assert "jobgen-train: error: training.init_from:" in result.stdout and "has LoRA r 4, this job 8" in result.stdout
     assert "jobgen/train/" not in result.stdout  # torchrun reports the exit status; no jobgen frame

@@ -98,7 +98,7 @@ def test_a_model_with_its_own_code_trains_with_trust_remote_code_and_is_refused_
     assert "jobgen/train/" not in result.stdout  # no traceback through the trainer (torchrun prints its own)
 
     job = tools.write_job(tmp_path / "trusted", tiny, model=str(custom_model), trust_remote_code=True, max_steps=2)
-    result = tools.train(job, **modules)
+    result = tools.train(job, nproc=1, **modules)
     assert result.returncode == 0, result.stdout
     assert f"training.trust_remote_code: running the code that {custom_model} ships: {CODE_FILES}" in result.stdout
     assert tools.adapter_weights(job.parent / "output")  # adapters of the custom model, trained

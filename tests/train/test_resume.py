@@ -154,7 +154,7 @@ def test_resuming_with_a_different_max_steps_is_refused_in_one_line(runs, tools,
     """The checkpoint's run had 12 steps on a cosine schedule; 20 would bend its learning rate."""
     job = _copy_run(runs["straight"], tmp_path / "copy")
     tools.write_job(job.parent, tiny, max_steps=20)
-    result = tools.train(job)
+    result = tools.train(job, nproc=1)  # refused before the global batch is split: one rank says it
     assert result.returncode != 0
     assert ("jobgen-train: error: training.max_steps: checkpoint step-000012 belongs to a run of 12 steps on a cosine "
             "schedule, this job has 20") in result.stdout
@@ -168,7 +168,7 @@ def test_resuming_in_another_chat_template_is_refused_in_one_line(runs, tools, t
     template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
                         "{% if add_generation_prompt %}assistant: {% endif %}")
     tools.write_job(job.parent, tiny, chat_template=str(template))
-    result = tools.train(job)
+    result = tools.train(job, nproc=1)  # refused before the global batch is split: one rank says it
     assert result.returncode != 0
     assert (f"jobgen-train: error: training.chat_template: checkpoint step-000012 was trained in ChatML, this job "
             f"trains in the chat template in {template}; set training.chat_template: chatml to resume, or use a new "
