@@ -1,8 +1,9 @@
 """Preemption, time limit, restart bound and a lost node, on the real Slurm test cluster.
 
 A scenario runs the rendered script submitted by hand with `sbatch`, or the same job through
-`jobgen submit`, or both side by side on disjoint nodes: a preemption, a failure and the restart
-bound on both, the time limit, the restart count and a lost node on one each. Once submitted the
+`jobgen submit`, or both side by side on disjoint nodes: a failure and the restart bound on both,
+the preemption, the time limit, the restart count and a lost node on one each (the preemption of a
+job `jobgen submit` gave Slurm: tests/test_slurm_separate_hosts.py). Once submitted the
 two are the same script (`jobgen submit` gives submitit the rendered script unchanged, and
 tests/test_slurm_submit.py shows both start the same processes with the same variables), so a
 second run of a scenario repeats its processes, not its path. Each job is a 2-node LoRA fine-tune of a
@@ -195,7 +196,7 @@ def start(tmp_path: Path, tiny: Path, name: str, step_delay: float, paths: tuple
 
 
 def test_a_preempted_job_comes_back_by_itself_and_finishes_exactly(tmp_path: Path, tiny: Path, reference: dict) -> None:
-    jobs = start(tmp_path, tiny, "preempt", step_delay=2)
+    jobs = start(tmp_path, tiny, "preempt", step_delay=2, paths=("sbatch",))
     for _, run_dir in jobs.values():
         wait_for_step(run_dir, 2)
     preempted_at = time.time()

@@ -142,6 +142,10 @@ def test_jobgen_slurm_training_preempted_on_separate_hosts_resumes_bitwise_from_
     assert second["first_step"] == first["last_step"] >= 2
     assert sorted(trained_steps(run_dir)) == list(range(1, MAX_STEPS + 1))
     assert_bitwise_equal(run_dir, reference)
+    # What the user sees of it: Slurm counts one restart, jobgen status names the preemption.
+    assert job_state(cluster, job_id)["Restarts"] == "1"
+    status = cluster.on_login([sys.executable, "-m", "jobgen.cli", "status", "runs/preempted", "--json"])
+    assert json.loads(status.stdout)["segments"][0]["outcome"] == "preempted", status.stderr
 
 
 def test_jobgen_slurm_a_hung_first_node_on_separate_hosts_is_replaced_by_the_spare_and_the_master_moves(
