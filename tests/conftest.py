@@ -35,14 +35,29 @@ def shellcheck() -> str:
 # different things: the tests of the Slurm cluster's partitions that preempt (`debug`), one after
 # another (their jobs would queue behind each other's), those of its other nodes (`side`, `bind`),
 # those of the PBS servers, and the CPU-bound rest a module at a time, so that a module's own
-# fixtures are made once; the modules sharing a costly session fixture go together. The two
-# longest cluster units come first and start at once, then the Slurm cluster of separate hosts
-# (its own slurmctld, a module of minutes); the `side` nodes' unit runs where a worker
-# takes it among the rest (a fourth worker at once only made every unit slower on 2 CPUs, and
-# timing-bound tests flaky). A test's first fixture in this order names its unit.
+# fixtures are made once; the modules sharing a costly session fixture go together. A test's first
+# fixture in this order names its unit.
 UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
-FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py", "tests/test_torque_separate_hosts.py")
+# The units that mostly wait on their schedulers (a preemption's grace, a node DOWN after 30 s, a
+# MoM's poll): half a CPU each, measured. Three of them at once left the 2 CPUs a quarter idle for
+# the first 40 minutes of a run while the CPU-bound trainer modules, collected last, then queued on
+# them: two at a time, beside the rest, keep both CPUs busy (a fourth worker only made every unit
+# slower and timing-bound tests flaky).
+WAITING = ("slurm", "pbs", "slurm-side", "tests/test_slurm_separate_hosts.py", "tests/test_openpbs_separate_hosts.py",
+           "tests/test_torque_separate_hosts.py")
+WAITING_AT_ONCE = 2
+# Seconds each longer unit took in a whole run (2026-11-30, `seconds by unit`): the order below
+# only, so a unit missing here or grown since just moves in the queue. Others: ~3 s a test.
+UNIT_SECONDS = {
+    "tests/test_slurm_separate_hosts.py": 1089, "slurm": 1009, "tests/test_openpbs_separate_hosts.py": 959, "pbs": 923,
+    "tests/test_torque_separate_hosts.py": 789, "slurm-side": 695, "tests/train/test_deepspeed_config.py": 343,
+    "tests/train/test_resume.py": 316, "tests/train/test_methods.py": 268, "tests/train/test_store.py": 260,
+    "tests/train/test_resize.py": 244, "tests/train/test_peer_snapshot.py": 238, "local-run": 143,
+    "tests/test_own_command.py": 140, "tests/test_launchers.py": 124, "tests/train/test_init_from.py": 114,
+    "tests/train/test_store_shared_fs.py": 111, "tests/test_separate_hosts.py": 111, "tests/train/test_hub_cache.py": 106,
+    "tests/train/test_health_hang_units.py": 97, "tests/test_render.py": 93, "tests/test_local_lifecycle.py": 85,
+}
 
 
 # First: pytest-xdist's own hook reads the marks to name each test's unit.
@@ -57,11 +72,38 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         cluster = [unit for name, unit in UNIT_BY_FIXTURE.items() if name in item.fixturenames]
         item.add_marker(pytest.mark.xdist_group(cluster[0] if cluster else module_unit[item.nodeid.split("::")[0]]))
-    items.sort(key=lambda item: FIRST.index(_unit(item)) if _unit(item) in FIRST else len(FIRST))
+    workers = config.getoption("numprocesses", None)
+    position = {unit: n for n, unit in enumerate(queue_order(items, workers if isinstance(workers, int) and workers > 0 else 3))}
+    items.sort(key=lambda item: position[_unit(item)])  # stable: a unit's tests keep their order
 
 
 def _unit(item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
+
+
+def queue_order(items, workers: int) -> list[str]:
+    """The units in the order pytest-xdist should hand them out (--no-loadscope-reorder keeps it, and
+    a worker takes the next unit as its own nears its end): a run played out on the units' seconds,
+    each free worker taking the longest waiting unit while fewer than WAITING_AT_ONCE run, else the
+    longest of the rest."""
+    tests: dict[str, int] = defaultdict(int)
+    for item in items:
+        tests[_unit(item)] += 1
+    seconds = {unit: UNIT_SECONDS.get(unit, 3 * count) for unit, count in tests.items()}
+    waiting = sorted((u for u in seconds if u in WAITING), key=lambda u: -seconds[u])
+    rest = sorted((u for u in seconds if u not in WAITING), key=lambda u: -seconds[u])
+    running: list[tuple[float, str]] = []  # (time it ends, unit)
+    order, now = [], 0.0
+    while waiting or rest:
+        if len(running) == workers:
+            running.sort()
+            now, _ = running.pop(0)
+        busy_waiting = sum(unit in WAITING for _, unit in running)
+        pool = waiting if waiting and (busy_waiting < WAITING_AT_ONCE or not rest) else rest
+        unit = pool.pop(0)
+        order.append(unit)
+        running.append((now + seconds[unit], unit))
+    return order
 
 
 def pytest_configure(config) -> None:
@@ -102,7 +144,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for unit, (seconds, tests) in sorted(totals.items(), key=lambda item: -item[1][0])[:8]:
             terminalreporter.write_line(f"{seconds:8.0f} s  {tests:4d} tests  {unit}")
         # A worker that ran out of tests long before the others: the units are unevenly spread, and
-        # reordering them (FIRST) would shorten the run; all ending together: only less work would.
+        # reordering them (queue_order) would shorten the run; all ending together: only less work would.
         if workers:
             began = min(span[0] for span in workers.values())
             terminalreporter.write_line("workers: " + "; ".join(
