@@ -40,15 +40,17 @@ def shellcheck() -> str:
 UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
 # The units that mostly wait on their schedulers (a preemption's grace, a node DOWN after 30 s, a
-# MoM's poll): half a CPU each, measured. Three of them at once left the 2 CPUs a quarter idle for
-# the first 40 minutes of a run while the CPU-bound trainer modules, collected last, then queued on
-# them: two at a time, beside the rest, keep both CPUs busy (a fourth worker only made every unit
-# slower and timing-bound tests flaky).
+# MoM's poll) use about half a CPU each. Handed out in collection order, three of them ran at once
+# and left the 2 CPUs a quarter idle for the first 40 minutes of a run, while the CPU-bound trainer
+# modules, collected last, queued on each other at its end: at most two run at a time now, beside
+# the rest (WaitingUnitsApart). A fourth worker only made every unit slower and timing-bound tests
+# flaky.
 WAITING = ("slurm", "pbs", "slurm-side", "tests/test_slurm_separate_hosts.py", "tests/test_openpbs_separate_hosts.py",
            "tests/test_torque_separate_hosts.py")
 WAITING_AT_ONCE = 2
-# Seconds each longer unit took in a whole run (2026-11-30, `seconds by unit`): the order below
-# only, so a unit missing here or grown since just moves in the queue. Others: ~3 s a test.
+# Seconds the longer units took in a whole run (2026-11-30, `seconds by unit`), for handing out the
+# longest first, so that none starts late and ends alone: a unit missing here or grown since only
+# moves in the queue. Others: 3 s a test.
 UNIT_SECONDS = {
     "tests/test_slurm_separate_hosts.py": 1089, "slurm": 1009, "tests/test_openpbs_separate_hosts.py": 959, "pbs": 923,
     "tests/test_torque_separate_hosts.py": 789, "slurm-side": 695, "tests/train/test_deepspeed_config.py": 343,
@@ -72,38 +74,37 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         cluster = [unit for name, unit in UNIT_BY_FIXTURE.items() if name in item.fixturenames]
         item.add_marker(pytest.mark.xdist_group(cluster[0] if cluster else module_unit[item.nodeid.split("::")[0]]))
-    workers = config.getoption("numprocesses", None)
-    position = {unit: n for n, unit in enumerate(queue_order(items, workers if isinstance(workers, int) and workers > 0 else 3))}
-    items.sort(key=lambda item: position[_unit(item)])  # stable: a unit's tests keep their order
+    tests: dict[str, int] = defaultdict(int)
+    for item in items:
+        tests[_unit(item)] += 1
+    # The longest first (--no-loadscope-reorder keeps this order); stable: a unit's tests keep theirs.
+    items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 3 * tests[_unit(item)]))
 
 
 def _unit(item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
 
 
-def queue_order(items, workers: int) -> list[str]:
-    """The units in the order pytest-xdist should hand them out (--no-loadscope-reorder keeps it, and
-    a worker takes the next unit as its own nears its end): a run played out on the units' seconds,
-    each free worker taking the longest waiting unit while fewer than WAITING_AT_ONCE run, else the
-    longest of the rest."""
-    tests: dict[str, int] = defaultdict(int)
-    for item in items:
-        tests[_unit(item)] += 1
-    seconds = {unit: UNIT_SECONDS.get(unit, 3 * count) for unit, count in tests.items()}
-    waiting = sorted((u for u in seconds if u in WAITING), key=lambda u: -seconds[u])
-    rest = sorted((u for u in seconds if u not in WAITING), key=lambda u: -seconds[u])
-    running: list[tuple[float, str]] = []  # (time it ends, unit)
-    order, now = [], 0.0
-    while waiting or rest:
-        if len(running) == workers:
-            running.sort()
-            now, _ = running.pop(0)
-        busy_waiting = sum(unit in WAITING for _, unit in running)
-        pool = waiting if waiting and (busy_waiting < WAITING_AT_ONCE or not rest) else rest
-        unit = pool.pop(0)
-        order.append(unit)
-        running.append((now + seconds[unit], unit))
-    return order
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class WaitingUnitsApart(LoadGroupScheduling):
+        """pytest-xdist's loadgroup, but a free worker takes the first waiting unit of the queue only
+        while fewer than WAITING_AT_ONCE run (or nothing else is left), else the first of the rest.
+        Decided as the units are handed out, not from estimates: how fast each kind runs varies
+        with the machine (a cached DeepSpeed op, a noisy neighbour)."""
+
+        def _assign_work_unit(self, node) -> None:
+            running = sum(unit in WAITING and not all(tests.values())
+                          for units in self.assigned_work.values() for unit, tests in units.items())
+            wanted = running < WAITING_AT_ONCE
+            unit = next((unit for unit in self.workqueue if (unit in WAITING) == wanted), next(iter(self.workqueue)))
+            self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return WaitingUnitsApart(config, log)
 
 
 def pytest_configure(config) -> None:

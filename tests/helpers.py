@@ -30,12 +30,49 @@ EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
 
 def jobgen(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
            timeout: float | None = None) -> subprocess.CompletedProcess:
-    """The installed `jobgen` command, exactly as a user runs it."""
+    """The installed `jobgen` command, exactly as a user runs it: its exit status, its output and
+    its error lines. `render` and `validate` run in this process (in_this_process)."""
+    if args and args[0] in IN_THIS_PROCESS and not any(name.startswith("PYTHON") for name in env or {}):
+        return in_this_process(list(args), cwd, env, check)
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "jobgen.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, check=check,
         timeout=timeout,
     )
+
+
+# Commands that only read the job and print: a new Python for each of them imported jobgen again, a
+# quarter of a CPU-second, and the tests run them a few hundred times. The others start processes,
+# wait on them or handle signals, and an environment naming Python's own variables (PYTHONPATH: a
+# plugin's package) needs a new interpreter: those run as a user runs them.
+IN_THIS_PROCESS = ("render", "validate")
+
+
+def in_this_process(args: list[str], cwd: Path | None, env: dict | None, check: bool) -> subprocess.CompletedProcess:
+    """`jobgen ARGS` through click's runner, in cwd with env added to this process's environment
+    for its length; an exception the command lets out is printed as Python would, exit status 1."""
+    import gc
+    import traceback
+
+    from click.testing import CliRunner
+
+    from jobgen.cli import main
+
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        result = CliRunner().invoke(main, args, env=env, prog_name="jobgen")
+    finally:
+        os.chdir(here)
+        gc.enable()  # the command turns the collector off for its short life (jobgen.cli.startup)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    done = subprocess.CompletedProcess([sys.executable, "-m", "jobgen.cli", *args], result.exit_code, result.stdout, stderr)
+    if check:
+        done.check_returncode()
+    return done
 
 
 # The tests' folder of things built once per run (conftest.py names the run and removes it).
