@@ -35,31 +35,17 @@ def shellcheck() -> str:
 # different things: the tests of the Slurm cluster's partitions that preempt (`debug`), one after
 # another (their jobs would queue behind each other's), those of its other nodes (`side`, `bind`),
 # those of the PBS servers, and the CPU-bound rest a module at a time, so that a module's own
-# fixtures are made once; the modules sharing a costly session fixture go together. A test's first
-# fixture in this order names its unit.
+# fixtures are made once; the modules sharing a costly session fixture go together. The two
+# longest cluster units come first and start at once, then the Slurm cluster of separate hosts
+# (its own slurmctld, a module of minutes); the `side` nodes' unit runs where a worker
+# takes it among the rest (a fourth worker at once only made every unit slower on 2 CPUs, and
+# timing-bound tests flaky). A test's first fixture in this order names its unit. Tried and left
+# (2026-11-30, BENCHMARKS.md): at most two waiting units at once, beside the CPU-bound rest. The six
+# waiting units are two thirds of the workers' seconds (4,500 of 6,500), so two at a time made them
+# the run's longest path: 37.1 min, two workers idle for the last 4 and 10 of them.
 UNIT_BY_FIXTURE = {"slurm_side_cluster": "slurm-side", "slurm_cluster": "slurm", "openpbs": "pbs", "torque": "pbs"}
 MODULES_BY_FIXTURE = {"stopped_and_resumed_run": "local-run"}
-# The units that mostly wait on their schedulers (a preemption's grace, a node DOWN after 30 s, a
-# MoM's poll) use about half a CPU each. Handed out in collection order, three of them ran at once
-# and left the 2 CPUs a quarter idle for the first 40 minutes of a run, while the CPU-bound trainer
-# modules, collected last, queued on each other at its end: at most two run at a time now, beside
-# the rest (WaitingUnitsApart). A fourth worker only made every unit slower and timing-bound tests
-# flaky.
-WAITING = ("slurm", "pbs", "slurm-side", "tests/test_slurm_separate_hosts.py", "tests/test_openpbs_separate_hosts.py",
-           "tests/test_torque_separate_hosts.py")
-WAITING_AT_ONCE = 2
-# Seconds the longer units took in a whole run (2026-11-30, `seconds by unit`), for handing out the
-# longest first, so that none starts late and ends alone: a unit missing here or grown since only
-# moves in the queue. Others: 3 s a test.
-UNIT_SECONDS = {
-    "tests/test_slurm_separate_hosts.py": 1089, "slurm": 1009, "tests/test_openpbs_separate_hosts.py": 959, "pbs": 923,
-    "tests/test_torque_separate_hosts.py": 789, "slurm-side": 695, "tests/train/test_deepspeed_config.py": 343,
-    "tests/train/test_resume.py": 316, "tests/train/test_methods.py": 268, "tests/train/test_store.py": 260,
-    "tests/train/test_resize.py": 244, "tests/train/test_peer_snapshot.py": 238, "local-run": 143,
-    "tests/test_own_command.py": 140, "tests/test_launchers.py": 124, "tests/train/test_init_from.py": 114,
-    "tests/train/test_store_shared_fs.py": 111, "tests/test_separate_hosts.py": 111, "tests/train/test_hub_cache.py": 106,
-    "tests/train/test_health_hang_units.py": 97, "tests/test_render.py": 93, "tests/test_local_lifecycle.py": 85,
-}
+FIRST = ("slurm", "pbs", "tests/test_slurm_separate_hosts.py", "tests/test_torque_separate_hosts.py")
 
 
 # First: pytest-xdist's own hook reads the marks to name each test's unit.
@@ -74,37 +60,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         cluster = [unit for name, unit in UNIT_BY_FIXTURE.items() if name in item.fixturenames]
         item.add_marker(pytest.mark.xdist_group(cluster[0] if cluster else module_unit[item.nodeid.split("::")[0]]))
-    tests: dict[str, int] = defaultdict(int)
-    for item in items:
-        tests[_unit(item)] += 1
-    # The longest first (--no-loadscope-reorder keeps this order); stable: a unit's tests keep theirs.
-    items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 3 * tests[_unit(item)]))
+    items.sort(key=lambda item: FIRST.index(_unit(item)) if _unit(item) in FIRST else len(FIRST))
 
 
 def _unit(item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
-
-
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist", "no") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class WaitingUnitsApart(LoadGroupScheduling):
-        """pytest-xdist's loadgroup, but a free worker takes the first waiting unit of the queue only
-        while fewer than WAITING_AT_ONCE run (or nothing else is left), else the first of the rest.
-        Decided as the units are handed out, not from estimates: how fast each kind runs varies
-        with the machine (a cached DeepSpeed op, a noisy neighbour)."""
-
-        def _assign_work_unit(self, node) -> None:
-            running = sum(unit in WAITING and not all(tests.values())
-                          for units in self.assigned_work.values() for unit, tests in units.items())
-            wanted = running < WAITING_AT_ONCE
-            unit = next((unit for unit in self.workqueue if (unit in WAITING) == wanted), next(iter(self.workqueue)))
-            self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
-
-    return WaitingUnitsApart(config, log)
 
 
 def pytest_configure(config) -> None:
@@ -145,7 +105,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for unit, (seconds, tests) in sorted(totals.items(), key=lambda item: -item[1][0])[:8]:
             terminalreporter.write_line(f"{seconds:8.0f} s  {tests:4d} tests  {unit}")
         # A worker that ran out of tests long before the others: the units are unevenly spread, and
-        # reordering them (queue_order) would shorten the run; all ending together: only less work would.
+        # reordering them (FIRST) would shorten the run; all ending together: only less work would.
         if workers:
             began = min(span[0] for span in workers.values())
             terminalreporter.write_line("workers: " + "; ".join(
