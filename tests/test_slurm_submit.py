@@ -121,7 +121,7 @@ def test_every_rank_is_wired_and_reaches_the_others(tmp_path: Path, nodes: int, 
         # cpus too: on node1..4 a job's CPUs map onto this machine's two by where Slurm placed them.
         varying = {"MASTER_PORT", "JOBGEN_JOB_ID", "SLURM_JOB_ID", "SLURMD_NODENAME", "MASTER_ADDR", "cpus"}
         seen[path] = [{k: v for k, v in r.items() if k not in varying} for r in records]
-    assert all(records == seen["jobgen submit"] for records in seen.values())
+    assert all(variables == seen["jobgen submit"] for variables in seen.values())
 
 
 def assert_wired(records: list[dict], nodes: int, procs: int) -> None:
