@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, link_down, powered_off_hosts, run_logs,
-                                status_segments)
+from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, in_the_write_of_step_8, link_down,
+                                powered_off_hosts, run_logs, status_segments)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the PBS servers' tests have them.
@@ -195,14 +195,6 @@ def test_jobgen_openpbs_a_sister_that_powers_off_gets_the_job_killed_and_rerun_b
           f"the job killed (-14) by the mother superior {at['killed'] - off_at:.0f} s after, rerun on {fields['exec_host']} "
           f"{at['rerun'] - off_at:.0f} s after, first new step {first_new_step:.0f} s after; "
           f"{again} step(s) trained again (from step {second['first_step']})")
-
-
-def in_the_write_of_step_8(run_dir: Path, holder: str) -> bool:
-    """Node 1 inside its (held) write of step 8's checkpoint, once node 0's host (`holder`) holds
-    node 1's snapshot of step 8 in its memory."""
-    token = run_dir / "output" / "checkpoints" / ".snapshot-token"
-    return ((run_dir / "output" / "debug-save-pause-write-rank1").exists() and token.exists() and any(
-        Path("/dev/shm").glob(f"jobgen-snapshots-*/*/{holder}/step-000008.rank-00001.of-00002.{token.read_text().strip()}")))
 
 
 def test_jobgen_openpbs_a_sister_that_powers_off_in_a_checkpoint_write_is_replaced_by_the_spare_inside_the_job_which_tolerates_it(

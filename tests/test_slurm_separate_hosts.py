@@ -16,7 +16,7 @@ import yaml
 
 from jobgen.train.heartbeat import detection_delay
 from tests.cluster import hosts as separate
-from tests.cluster.hosts import REAL_INTERFACE, powered_off_hosts
+from tests.cluster.hosts import REAL_INTERFACE, in_the_write_of_step_8, powered_off_hosts
 from tests.cluster.slurm_hosts import CACHE_SECONDS
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal, tiny_model, uninterrupted_adapter
 from tests.processes import hang_node
@@ -235,15 +235,10 @@ def test_jobgen_slurm_a_worker_powered_off_while_it_writes_a_checkpoint_is_repla
     # checkpoint is not taken; the restart resumes from step 8, held in node 0's memory.
     powered_off.append("cn002")
 
-    def in_the_write(run_dir: Path) -> bool:
-        token = run_dir / "output" / "checkpoints" / ".snapshot-token"
-        return ((run_dir / "output" / "debug-save-pause-write-rank1").exists() and token.exists() and any(
-            Path("/dev/shm").glob(f"jobgen-snapshots-*/*/cn001/step-000008.rank-00001.of-00002.{token.read_text().strip()}")))
-
     run_dir, first, second, failed_at = worker_replaced_by_the_spare(
         slurm_on_hosts, "power-off-in-save", reference, lambda cluster, node: cluster.power_off(node),
         env={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"},
-        when=("node 1 inside its write of step 8's checkpoint, its snapshot of step 8 in node 0's memory", in_the_write))
+        when=("node 1 inside its write of step 8's checkpoint, its snapshot of step 8 in node 0's memory", lambda run_dir: in_the_write_of_step_8(run_dir, "cn001")))
     assert second["first_step"] == 8, second
     assert not (run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json").exists() or "written_from" in json.loads(
         (run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json").read_text())

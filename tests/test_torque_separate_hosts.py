@@ -2,21 +2,25 @@
 (tests/cluster/torque_hosts.py): the job submitted on the server host, its nodes two other hosts
 whose own name is 127.0.1.1 on themselves, each with a first interface that routes nowhere, the
 run folder on a network file system that each host mounts on its own, and pbsdsh (through the
-MoMs, with the tasks' bare environment) starting every node. About 15 minutes of a worker (7
-tests; the uninterrupted reference is the test run's one, tests.helpers.uninterrupted_adapter)."""
+MoMs, with the tasks' bare environment) starting every node; and compute hosts that power off
+mid-training, inside a checkpoint write or during start-up (an idle spare with them), are cut off
+or lose their MoM. About 20 minutes of a worker (8 tests; the uninterrupted reference is the test
+run's one, tests.helpers.uninterrupted_adapter)."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import yaml
 
-from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, link_down, powered_off_hosts, run_logs,
-                                status_segments)
+from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network, in_the_write_of_step_8, link_down,
+                                powered_off_hosts, run_logs, status_segments)
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
@@ -86,13 +90,17 @@ def nodes_of(log: str, job_id: str) -> list[str]:
 
 
 def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_off: list[str], spare_nodes: int = 0,
-                             fault: Callable[[str], float] | None = None) -> tuple[str, Path, list[str], float]:
-    """A 2-node LoRA job (2 s steps, no secrets) trained past its first checkpoint, node `node`
-    training, then that node's host powered off (or `fault` done to it): the job id, its run
-    folder, its hosts as the batch log names them (node 0, node 1, the spares) and the time of the
-    fault. The host is in `powered_off` (powered on afresh after the test) until a test takes it out."""
+                             fault: Callable[[str], float] | None = None, variables: dict[str, str] | None = None,
+                             when: tuple[str, Callable[[Path, list[str]], bool]] | None = None) -> tuple[str, Path, list[str], float]:
+    """A 2-node LoRA job (2 s steps, no secrets, `variables` in its environment) trained past its
+    first checkpoint, node `node` training, then, once `when` holds (a description and a test of
+    the run folder and the job's hosts), that node's host powered off (or `fault` done to it): the
+    job id, its run folder, its hosts as the batch log names them (node 0, node 1, the spares) and
+    the time of the fault. The host is in `powered_off` (powered on afresh after the test) until a
+    test takes it out."""
     job = lora_job(tiny, name, setup=[], step_delay=2, resources={"spare_nodes": spare_nodes})
     job["environment"]["secrets"] = []
+    job["environment"]["variables"].update(variables or {})
     job_id, run_dir = submit(cluster, job)
     wait_for_step(run_dir, SAVE_INTERVAL + 1)
     if spare_nodes:  # heartbeats are published by jobs with spares only
@@ -100,6 +108,8 @@ def powered_off_mid_training(cluster, tiny: Path, name: str, node: int, powered_
         wait_for(lambda: heartbeat.exists() and '"phase": "training"' in heartbeat.read_text(),
                  f"node {node} training in its heartbeat", 60)
     hosts = nodes_of((run_dir / "logs" / f"{job_id}.out").read_text(), job_id)
+    if when:
+        wait_for(lambda: when[1](run_dir, hosts), when[0], 120, every=0.2)
     powered_off.append(hosts[node])
     return job_id, run_dir, hosts, (fault or cluster.power_off)(hosts[node])
 
@@ -113,27 +123,80 @@ def cut_off(cluster) -> Callable[[str], float]:
     return fault
 
 
-def test_jobgen_torque_a_sister_that_powers_off_is_replaced_by_the_spare_inside_the_job(
+def test_jobgen_torque_a_sister_that_powers_off_in_a_checkpoint_write_is_replaced_by_the_spare_inside_the_job(
         torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
-    """resources.spare_nodes: 1; node 1's host (a sister MoM) powers off mid-training. Torque keeps
-    the job (it has no rule that kills a job for a lost sister); jobgen's hang supervisor finds
-    that node 1 does not answer on the network while node 0 waits, the segment ends naming it, and
-    the batch script restarts on node 0 and the spare inside the same job. Prints the figures."""
+    """resources.spare_nodes: 1; node 1's host (a sister MoM) powers off with its part of step 8's
+    checkpoint unwritten (its write held 5 s; the default asynchronous save, so training goes on
+    beside it), once node 0 holds node 1's snapshot of step 8. Torque keeps the job (it has no rule
+    that kills a job for a lost sister); jobgen's hang supervisor finds that node 1 does not answer
+    on the network while node 0 waits, the segment ends naming it, and the batch script restarts on
+    node 0 and the spare inside the same job. The half-written checkpoint is not taken: the restart
+    resumes from step 8, held in node 0's memory. Prints the figures."""
     cluster = torque_on_hosts
     job_id, run_dir, (mother, sister, spare), off_at = powered_off_mid_training(
-        cluster, tiny, "power-off-spare", 1, powered_off, spare_nodes=1)
+        cluster, tiny, "power-off-in-save", 1, powered_off, spare_nodes=1, variables={"JOBGEN_DEBUG_SAVE_PAUSE": "write@8:5"},
+        when=("node 1 inside its write of step 8, its snapshot on node 0", lambda run_dir, hosts: in_the_write_of_step_8(run_dir, hosts[0])))
     log = run_dir / "logs" / f"{job_id}.out"
     wait_until_complete(cluster, job_id, run_dir, 300)
     ended_at = time.time()
     text = log.read_text()
+    assert f"jobgen: restarting inside this allocation without node(s) {sister} on 2 node(s)" in text, text
     assert f"jobgen: job {job_id} (restart 1) on {mother} {spare};" in text, text
     first, second = status_segments(cluster, run_dir)
     assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), run_logs(run_dir)
+    assert second["first_step"] == 8, second
+    manifest = run_dir / "output" / "checkpoints" / "step-000008" / "manifest.json"
+    assert not manifest.exists() or "written_from" in json.loads(manifest.read_text()), manifest.read_text()
     assert_at_most_one_step_lost(run_dir, second["first_step"], off_at)
     reached, first_new_step, again = ended_as_the_reference(run_dir, reference, off_at, second["first_step"])
-    print(f"Torque, spare nodes: a sister powered off at step {reached}: restarted on {mother}+{spare} inside the job, "
-          f"first new step {first_new_step:.0f} s after, the job complete {ended_at - off_at:.0f} s after; "
-          f"{again} step(s) trained again")
+    print(f"Torque, spare nodes: a sister powered off in its write of step 8's checkpoint, at step {reached}: restarted on "
+          f"{mother}+{spare} inside the job, first new step {first_new_step:.0f} s after, the job complete "
+          f"{ended_at - off_at:.0f} s after; {again} step(s) trained again (from step {second['first_step']})")
+
+
+def test_jobgen_torque_a_sister_and_a_spare_lost_during_start_up_leave_the_second_spare_to_replace_the_sister(
+        torque_on_hosts, tiny: Path, reference: dict, powered_off: list[str]) -> None:
+    """resources.spare_nodes: 2; as soon as the batch script has started the nodes, before the
+    rendezvous, the first spare's host powers off (idle: no rank of the job runs there) and then
+    node 1's: node 0's ranks wait for a peer that will never come, nothing has trained, and node 1
+    has published no summary. Torque's server shows both hosts down at its next node check
+    (node_check_rate); that word, with the silence of node 1's summary, ends the segment naming
+    node 1, and the restart inside the job must take the second spare: the same word leaves the
+    dead first spare out, where pbsdsh would otherwise start node 1 on a host that is gone. (Slurm's
+    and OpenPBS's tests show the two apart; here one job shows both, since each waits for Torque's
+    node check, minutes of a worker.) Prints the figures."""
+    cluster = torque_on_hosts
+    job = lora_job(tiny, "power-off-at-start", setup=[], step_delay=2, resources={"spare_nodes": 2})
+    job["environment"]["secrets"] = []
+    job_id, run_dir = submit(cluster, job)
+    log = run_dir / "logs" / f"{job_id}.out"
+    wait_for(lambda: log.exists() and f"jobgen: job {job_id} (restart 0) on " in log.read_text(), "the start", 120, every=0.2)
+    mother, sister, first_spare, second_spare = nodes_of(log.read_text(), job_id)
+    powered_off.extend([first_spare, sister])
+    cluster.power_off(first_spare)
+    off_at = cluster.power_off(sister)
+    assert not trained_steps(run_dir), "a step was trained before the power-off"
+    down_at = when_down(cluster, sister, 300)
+    wait_until_complete(cluster, job_id, run_dir, 300)
+    text = log.read_text()
+    first, second = status_segments(cluster, run_dir)
+    assert (first["outcome"], first["nodes"], second["outcome"], second["restart"]) == ("node_failed", [sister], "completed", 1), text
+    assert f"jobgen: node failure: node(s) {sister} failed: the scheduler says they are gone" in text, text
+    assert re.search(rf"jobgen: the scheduler says node\(s\) [ a-z0-9]*\b{first_spare}\b[ a-z0-9]* are gone from this job: not used again", text), text
+    assert f"jobgen: job {job_id} (restart 1) on {mother} {second_spare};" in text, text
+    assert trained_steps(run_dir) == list(range(1, MAX_STEPS + 1)), text  # each once
+    assert_bitwise_equal(run_dir, reference)
+    restarted = datetime.fromisoformat(second["started_at"].replace("Z", "+00:00")).timestamp()
+    first_step = min(json.loads(line)["time"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines())
+    print(f"Torque, two spares: node 1's host and the first spare's powered off during start-up: {sister} down in pbsnodes "
+          f"{down_at - off_at:.0f} s after, restarted on {mother}+{second_spare} {restarted - off_at:.0f} s after, "
+          f"first step {first_step - off_at:.0f} s after the power-off")
+
+
+def when_down(cluster, name: str, timeout: float) -> float:
+    """The time the server first shows host `name` down in pbsnodes."""
+    wait_for(lambda: "down" in cluster.node_state(name), f"the server to show {name} down", timeout)
+    return time.time()
 
 
 def test_jobgen_torque_a_partitioned_sister_is_replaced_by_the_spare_and_the_host_comes_back_by_itself(
@@ -249,8 +312,7 @@ def test_jobgen_torque_a_sister_whose_mom_dies_alone_ends_when_its_training_does
     mother, sister = nodes_of((run_dir / "logs" / f"{job_id}.out").read_text(), job_id)
     powered_off.append(sister)  # its MoM started again after the test
     killed_at = cluster.kill_mom(sister)
-    wait_for(lambda: "down" in cluster.node_state(sister), f"the server to show {sister} down", 200)
-    down_at = time.time()
+    down_at = when_down(cluster, sister, 200)
     wait_until_complete(cluster, job_id, run_dir, 300)
     finished_at = time.time()
     (segment,) = status_segments(cluster, run_dir)

@@ -389,6 +389,14 @@ def back_on_the_network(cluster, name: str, powered_off: list[str]) -> tuple[int
     return left, time.time() - back_at
 
 
+def in_the_write_of_step_8(run_dir: Path, holder: str) -> bool:
+    """Node 1 inside its (held) write of step 8's checkpoint, once node 0's host (`holder`) holds
+    node 1's snapshot of step 8 in its memory."""
+    token = run_dir / "output" / "checkpoints" / ".snapshot-token"
+    return ((run_dir / "output" / "debug-save-pause-write-rank1").exists() and token.exists() and any(
+        Path("/dev/shm").glob(f"jobgen-snapshots-*/*/{holder}/step-000008.rank-00001.of-00002.{token.read_text().strip()}")))
+
+
 def run_logs(run_dir: Path) -> str:
     """The tail of each of a run's logs (the batch script's, each node's, each rank's), for a
     failure message."""

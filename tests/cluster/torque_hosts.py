@@ -1,10 +1,11 @@
 """Pytest plugin: the `torque_on_hosts` fixture, a real Torque complex whose nodes are separate hosts.
 
-The Torque server of torque-up.sh runs its two MoMs on one kernel at 127.0.0.1. Here four hosts
+The Torque server of torque-up.sh runs its two MoMs on one kernel at 127.0.0.1. Here five hosts
 of tests/cluster/hosts.py (own network namespace, address, hostname, a Debian /etc/hosts and a
 first interface that routes nowhere) run Torque 6.1.3 as a cluster does: host1 is the server
-host (pbs_server, pbs_sched) and the login node jobs are submitted from; host2, host3 and host4
-are the compute nodes, a pbs_mom each (a 2-node job and a spare, or a host for its continuation). Every host has its own trqauthd and its own TORQUE_HOME: a folder
+host (pbs_server, pbs_sched) and the login node jobs are submitted from; host2 to host5 are the
+compute nodes, a pbs_mom each (a 2-node job and two spares, or a spare and a host for its
+continuation). Every host has its own trqauthd and its own TORQUE_HOME: a folder
 of this fixture mounted over /var/spool/torque in the host's mount namespace, as /tmp is (where
 trqauthd puts its socket), so nothing of the machine's own Torque server is touched. The shared
 folder (submit folder, run directories) is host1's, mounted by every host with sshfs as in
@@ -42,7 +43,7 @@ from tests.cluster.pbs_servers import _bring_up, _venv_for, _workspace
 
 TORQUE = Path("/opt/torque")
 HOME = "/var/spool/torque"  # TORQUE_HOME, as torque-up.sh builds it
-COMPUTE = ("host2", "host3", "host4")
+COMPUTE = ("host2", "host3", "host4", "host5")
 JOB_EXIT_WAIT_TIME = 20  # seconds; Torque's default is 600
 SERVER_SUBFOLDERS = ("accounting", "acl_groups", "acl_hosts", "acl_svr", "acl_users", "arrays", "credentials",
                      "disallowed_types", "hostlist", "jobs", "queues")
@@ -158,7 +159,7 @@ def _nodes_free(cluster: TorqueOnHosts) -> bool:
 
 @pytest.fixture(scope="session")
 def torque_on_hosts():
-    """Torque on host1 (server, scheduler: the login node) and host2..host4 (a MoM each), with a
+    """Torque on host1 (server, scheduler: the login node) and host2..host5 (a MoM each), with a
     shared folder on sshfs; all stopped and deleted at the end of the session."""
     _bring_up("torque-up.sh", TORQUE / "bin")  # builds Torque if it is not yet
     with separate.server_hosts("Torque", 1 + len(COMPUTE), "t") as complex_hosts:
