@@ -3,8 +3,8 @@
 
 What each test checks is what a user would: the ranks' variables and the job's module, the logs,
 `jobgen status` and `jobgen cancel`, and for the trainings, the final adapter. Every interrupted
-training (a preemption by an express-queue job on PBS Pro, `qrerun` on Torque, the walltime with
-the job's own continuation on both) must end bitwise equal to the same job run without
+training (a preemption by an express-queue job on PBS Pro, the walltime with the job's own
+continuation on both; Torque's `qrerun` is tests/test_torque_separate_hosts.py's) must end bitwise equal to the same job run without
 interruption, the reference, run once. On Torque the jobs are submitted by and run as the
 ordinary user `tquser` (root may not submit there), from its own folders with its own Python.
 
@@ -462,42 +462,6 @@ def test_torque_a_failed_node_is_replaced_by_the_spare_its_pbsdsh_reaches_by_nam
     segments = status(torque, folder, str(run_dir))["segments"]
     assert [(s["job_id"], s["outcome"], s["nodes"]) for s in segments] == [
         (job_id, "node_failed", [bad]), (job_id, "completed", [])], segments
-
-
-def test_torque_a_job_qrerun_kills_resumes_exactly_and_status_shows_the_killed_segment(torque: PbsServer, tiny: Path, reference: dict) -> None:
-    folder = torque.folder("qrerun")
-    job = lora_job(tiny, "qrerun", setup_lines(torque), step_delay=2)
-    job_id = submit(torque, folder, job, "jobgen-submit", env={"JOBGEN_TEST_TOKEN": SECRET})
-    run_dir = run_dir_of(folder, job)
-    wait_for_step(run_dir, SAVE_INTERVAL + 2)
-    # The server's operator (root) reruns it: Torque sends SIGTERM and SIGKILL moments later (no
-    # time to save or to record its end) and starts it again under the same id; it resumes from
-    # its last periodic checkpoint.
-    subprocess.run([str(torque.bin / "qrerun"), job_id], check=True, capture_output=True)
-    # Taken here, to the microsecond: the segment's started_at has whole seconds only, so the
-    # killed run's last line can fall in the rerun's first second.
-    killed_at = time.time()
-    finished(torque, job_id)
-    first, second = status(torque, folder, job_id)["segments"]
-    # Whether the script began its stop before the SIGKILL (its "stopping" line: on PBS a SIGTERM
-    # reads as a preemption, since qrerun's, qdel's and a preemption's are the same) is a race
-    # that the machine's load decides. Either way the segment ended where the scheduler killed it.
-    records = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
-    began_to_stop = any(r.get("event") == "stopping" and r.get("restart") == 0 for r in records)
-    assert first["outcome"] == ("preempted" if began_to_stop else "killed by the scheduler") and first["ended_at"], first
-    assert first["last_step"] >= SAVE_INTERVAL + 2, first
-    # From the step it reached or the one before (a peer snapshot, the rerun on the same nodes);
-    # and no rank of the killed run trained on beside the rerun (torchrun's ranks live in
-    # sessions of their own, which Torque does not kill).
-    assert (second["outcome"], second["restart"]) == ("completed", 1), second
-    assert_at_most_one_step_lost(run_dir, second["first_step"], reached=first["last_step"])
-    steps_since = [json.loads(line)["step"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
-                   if json.loads(line)["time"] >= killed_at]
-    assert steps_since == list(range(second["first_step"] + 1, MAX_STEPS + 1))
-    table = jobgen_as(torque, folder, "status", str(run_dir)).stdout
-    assert first["outcome"] in table and "running or lost" not in table
-    assert_secret_reached_every_node(run_dir, 2)
-    assert_bitwise_equal(run_dir, reference)
 
 
 def test_torque_at_its_walltime_a_training_continues_in_a_job_it_submits_and_ends_exactly(torque: PbsServer, tiny: Path, reference: dict) -> None:

@@ -24,19 +24,21 @@ from tests.cluster.hosts import (assert_probe_met_at_node_0, back_on_the_network
 from tests.helpers import assert_at_most_one_step_lost, assert_bitwise_equal
 from tests.test_pbs_scripts import probe_job
 # reference and tiny are fixtures: the uninterrupted run and the tiny model, as the Torque server's tests have them.
-from tests.test_pbs_servers import (MAX_STEPS, SAVE_INTERVAL, ended_as_the_reference, lora_job, reference, tiny,  # noqa: F401
-                                    trained_steps, wait_for, wait_for_step)
+from tests.test_pbs_servers import (MAX_STEPS, SAVE_INTERVAL, SECRET, SECRET_SEEN, assert_secret_reached_every_node,  # noqa: F401
+                                    ended_as_the_reference, lora_job, reference, tiny, trained_steps, wait_for, wait_for_step)
 
 
-def submit(cluster, job: dict) -> tuple[str, Path]:
-    """`jobgen submit` by the job user on host1, from a folder of the shared file system; the job
-    id and the run directory as this machine (the file server) sees it."""
-    job["environment"] = {**job.get("environment", {}), "setup": [f"source {cluster.venv}/bin/activate"]}
+def submit(cluster, job: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """`jobgen submit` by the job user on host1 (with `env` besides), from a folder of the shared
+    file system; the job id and the run directory as this machine (the file server) sees it. The
+    job's setup lines come after the one that puts jobgen on PATH."""
+    environment = job.get("environment", {})
+    job["environment"] = {**environment, "setup": [f"source {cluster.venv}/bin/activate", *environment.get("setup", [])]}
     folder = cluster.served / job["name"]
     folder.mkdir()
     folder.chmod(0o777)
     (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    submitted = cluster.as_user(["jobgen", "submit", "-s", "torque", "job.yaml"], cwd=cluster.shared / job["name"])
+    submitted = cluster.as_user(["jobgen", "submit", "-s", "torque", "job.yaml"], cwd=cluster.shared / job["name"], env=env)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     return submitted.stdout.split()[-1], folder / "runs" / job["name"]
 
@@ -58,23 +60,37 @@ def test_jobgen_torque_ranks_on_separate_hosts_meet_at_the_mother_superiors_addr
 
 def test_jobgen_torque_training_rerun_on_separate_hosts_resumes_bitwise_from_the_shared_file_system(
         torque_on_hosts, tiny: Path, reference: dict) -> None:
-    # The operator's qrerun kills both nodes at once (no time to save); the job starts again
-    # under its id on the same hosts and resumes from the step it reached or the one before, a
-    # peer snapshot written out as a checkpoint through one host's mount and read back through
-    # both hosts' own, whose caches show it late.
+    # The operator's qrerun kills both nodes at once (no time to save, nor to record its end: on PBS
+    # a SIGTERM reads as a preemption, and whether the script began its stop before the SIGKILL is
+    # a race the machine's load decides); the job starts again under its id on the same hosts and
+    # resumes from the step it reached or the one before, a peer snapshot written out as a
+    # checkpoint through one host's mount and read back through both hosts' own, whose caches show
+    # it late. The job's secret, given at `jobgen submit`, reaches both nodes in both segments.
     cluster = torque_on_hosts
-    job = lora_job(tiny, "rerun", setup=[], step_delay=2)
-    job["environment"]["secrets"] = []
-    job_id, run_dir = submit(cluster, job)
+    job = lora_job(tiny, "rerun", setup=[SECRET_SEEN], step_delay=2)
+    job_id, run_dir = submit(cluster, job, env={"JOBGEN_TEST_TOKEN": SECRET})
     wait_for_step(run_dir, SAVE_INTERVAL + 2)
     rerun = cluster.run("host1", ["qrerun", job_id])
     assert rerun.returncode == 0, rerun.stderr
+    # Taken here, to the microsecond: the segment's started_at has whole seconds only, so the
+    # killed run's last line can fall in the rerun's first second.
+    killed_at = time.time()
     wait_until_complete(cluster, job_id, run_dir, 480)
     first, second = status_segments(cluster, run_dir)
-    assert first["outcome"] == "killed by the scheduler" and first["last_step"] >= SAVE_INTERVAL + 2, first
+    records = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()]
+    began_to_stop = any(r.get("event") == "stopping" and r.get("restart") == 0 for r in records)
+    assert first["outcome"] == ("preempted" if began_to_stop else "killed by the scheduler") and first["ended_at"], first
+    assert first["last_step"] >= SAVE_INTERVAL + 2, first
     assert (second["outcome"], second["restart"]) == ("completed", 1), second
     assert_at_most_one_step_lost(run_dir, second["first_step"], reached=first["last_step"])
-    assert trained_steps(run_dir)[-1] == MAX_STEPS
+    # No rank of the killed run trained on beside the rerun (torchrun's ranks live in sessions of
+    # their own, which Torque does not kill).
+    steps_since = [json.loads(line)["step"] for line in (run_dir / "output" / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(line)["time"] >= killed_at]
+    assert steps_since == list(range(second["first_step"] + 1, MAX_STEPS + 1)), steps_since
+    table = cluster.jobgen_on_host1(["status", str(cluster.shared / run_dir.relative_to(cluster.served))]).stdout
+    assert first["outcome"] in table and "running or lost" not in table, table
+    assert_secret_reached_every_node(run_dir, 2)
     assert_bitwise_equal(run_dir, reference)
 
 
