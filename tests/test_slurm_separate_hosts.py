@@ -433,7 +433,7 @@ def test_jobgen_slurm_a_worker_powered_off_during_start_up_is_replaced_by_the_sp
     powered_off.append("cn002")
     failed_at = cluster.power_off("cn002")
     assert not trained_steps(run_dir), "a step was trained before the power-off"
-    assert ended(cluster, job_id, 600) == "COMPLETED"
+    assert ended(cluster, job_id, 600) == "COMPLETED", what_slurm_and_the_logs_say(cluster, job_id)
     first, second = segments(run_dir)
     text = log.read_text()
     assert (first["outcome"], first["nodes"], second["outcome"]) == ("node_failed", ["cn002"], "completed"), text
