@@ -190,6 +190,11 @@ def test_jobgen_torque_a_sister_and_a_spare_lost_during_start_up_leave_the_secon
     mother, sister, first_spare, second_spare = nodes_of(log.read_text(), job_id)
     powered_off.extend([first_spare, sister])
     cluster.power_off(first_spare)
+    # The sister's MoM reports once more (every 5 s) after the spare's last report: the server's node
+    # check, which goes by the time of a node's last report, then calls the spare down no later than
+    # the sister, and the restart cannot come between the two.
+    spare_reported = cluster.reported_since(first_spare)
+    wait_for(lambda: cluster.reported_since(sister) > spare_reported, "a report of node 1's MoM after the spare's last", 30, every=0.2)
     off_at = cluster.power_off(sister)
     assert not trained_steps(run_dir), "a step was trained before the power-off"
     down_at = when_down(cluster, sister, 300)
