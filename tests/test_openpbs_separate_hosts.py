@@ -76,17 +76,11 @@ def test_jobgen_openpbs_training_rerun_on_separate_hosts_stops_with_a_checkpoint
     assert "Exit_status = 0" in shown and "run_count = 2" in shown, shown
     first, second = status_segments(cluster, run_dir)
     # Once, in a whole run with the CPUs 93% busy, the first segment was `failed`: the run's word says why next time.
-    assert first["outcome"] == "preempted" and first["last_step"] >= SAVE_INTERVAL + 2, what_the_run_says(run_dir)
-    assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", first["last_step"], 1), what_the_run_says(run_dir)
+    assert first["outcome"] == "preempted" and first["last_step"] >= SAVE_INTERVAL + 2, f"{first}\n{run_logs(run_dir)}"
+    assert (second["outcome"], second["first_step"], second["restart"]) == ("completed", first["last_step"], 1), f"{second}\n{run_logs(run_dir)}"
     assert trained_steps(run_dir)[-1] == MAX_STEPS
     assert_bitwise_equal(run_dir, reference)
 
-
-
-def what_the_run_says(run_dir: Path) -> str:
-    """What a person reads when a segment ended otherwise: the segments and each log's last lines."""
-    logs = [f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file()]
-    return "\n".join([(run_dir / "segments.jsonl").read_text()] + logs)
 
 
 def qstat_fields(cluster, job_id: str) -> dict[str, str]:
