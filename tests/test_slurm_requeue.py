@@ -330,7 +330,9 @@ def test_a_job_slurm_requeues_by_itself_past_max_restarts_does_not_start_again(t
         }))
         jobs[path] = (submit(path, config, step_delay=0), folder / "runs" / "jobgen-test-bound-slurm")
     for job_id, run_dir in jobs.values():
-        wait_for(lambda: (run_dir / "node-1-started").exists(), f"job {job_id}'s nodes to start")
+        # Both nodes, not the last one alone: node 0's set-up may run after node 1's, and a requeue
+        # before it ran would leave no record of its first start.
+        wait_for(lambda: all((run_dir / f"node-{node}-started").exists() for node in (0, 1)), f"job {job_id}'s nodes to start")
         subprocess.run(["scontrol", "requeue", job_id], check=True)
     for job_id, _ in jobs.values():
         release_when_requeued(job_id, restarts=1)
