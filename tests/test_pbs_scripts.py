@@ -283,6 +283,12 @@ def test_stand_in_pbs_jobgens_own_variables_reach_every_node_without_the_script_
     assert [line for line in script.splitlines() if "JOBGEN_DEBUG" in line and "delay-$NODE_RANK" not in line] == []
 
 
+def script_functions(script: str, *names: str) -> str:
+    """The shell functions `names` as the rendered script defines them, to be run on their own. The
+    last definition: a scheduler's hosts block redefines job.sh's no-op ones."""
+    return "\n".join(script[script.rindex(f"\n{name}() {{") + 1:].split("\n}\n", 1)[0] + "\n}" for name in names)
+
+
 @pytest.mark.parametrize("scheduler", ["pbs", "torque"])
 def test_stand_in_pbsnodes_the_mother_superior_is_never_gone_on_the_servers_word(tmp_path: Path, scheduler: str) -> None:
     """The batch script runs on the mother superior (the node file's first host): a server that
@@ -291,9 +297,7 @@ def test_stand_in_pbsnodes_the_mother_superior_is_never_gone_on_the_servers_word
     pbsnodes shows every node down; the script's own look at it names the others only."""
     job = {**probe_job(3, 1), "name": "own-host", "resources": {"nodes": 2, "spare_nodes": 1, "gpus_per_node": 0}}
     script = jobgen("render", "-s", scheduler, str(write_yaml(tmp_path / "job.yaml", job))).stdout
-    # Each function as the scheduler's hosts block defines it: the last definition (job.sh's own is a no-op).
-    functions = "\n".join(script[script.rindex(f"\n{name}() {{") + 1:].split("\n}\n", 1)[0] + "\n}"
-                          for name in ("jobgen_pbs_command", "jobgen_nodes_gone"))
+    functions = script_functions(script, "jobgen_pbs_command", "jobgen_nodes_gone")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "pbsdsh").write_text("#!/bin/sh\n")
@@ -306,3 +310,41 @@ def test_stand_in_pbsnodes_the_mother_superior_is_never_gone_on_the_servers_word
     gone = subprocess.run(["bash", "-c", f"{functions}\njobgen_nodes_gone node1.cluster node2.cluster node3.cluster"],
                           env=env, capture_output=True, text=True, timeout=30)
     assert (gone.returncode, gone.stdout.split()) == (0, ["node2.cluster", "node3.cluster"]), gone.stderr
+
+
+def test_a_node_in_its_start_up_whose_supervisor_writes_is_not_silent_to_the_batch_script(tmp_path: Path) -> None:
+    """The batch script of a job with spares takes a node the server shows down for gone once its
+    supervisor has said nothing for 30 s. Before its ranks start a node has no summary; its
+    supervisor rewrites node-K.starting instead, so a node the server wrongly shows down (a MoM
+    that missed its reports, seen on Torque) is not ended in its start-up. The script's own
+    function, looked at as its loop does, 10 s apart (bash's SECONDS set): node 0 publishes
+    summaries, node 1 only its start-up file, node 2 nothing; then node 1 falls silent too."""
+    job = {**probe_job(3, 1), "name": "silence", "resources": {"nodes": 3, "spare_nodes": 1, "gpus_per_node": 0}}
+    script = jobgen("render", "-s", "torque", str(write_yaml(tmp_path / "job.yaml", job))).stdout
+    functions = script_functions(script, "jobgen_part_ended", "jobgen_look_at_summaries")
+    folder = tmp_path / "run" / "heartbeat"
+    folder.mkdir(parents=True)
+    looks = f"""
+set -eo pipefail
+{functions}
+JOBGEN_RUN_DIR={tmp_path / "run"}
+jobgen_watched=(host1 host2 host3) jobgen_launched_host=() jobgen_launched_exit=()
+jobgen_summary_seen=() jobgen_summary_since=() jobgen_silent=()
+for t in 0 10 20 30 40; do
+  SECONDS=$t
+  echo "$t" > {folder}/node-0.json
+  echo "$t" > {folder}/node-1.starting
+  jobgen_look_at_summaries
+  echo "$t: ${{jobgen_silent[*]}}"
+done
+for t in 50 60 70; do
+  SECONDS=$t
+  echo "$t" > {folder}/node-0.json
+  jobgen_look_at_summaries
+  echo "$t: ${{jobgen_silent[*]}}"
+done
+"""
+    result = subprocess.run(["bash", "-c", looks], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["0: ", "10: ", "20: ", "30: host3", "40: host3", "50: host3", "60: host3",
+                                          "70: host2 host3"], result.stdout

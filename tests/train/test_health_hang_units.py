@@ -310,6 +310,47 @@ def test_a_summary_that_cannot_be_read_for_a_moment_is_the_one_last_read_and_the
     assert [r["state"] for r in supervisor.all_ranks(mine)] == ["stopped", "silent node"]
 
 
+def test_a_supervisor_says_its_node_lives_before_its_ranks_start_then_publishes_their_summary(tmp_path: Path,
+                                                                                                monkeypatch) -> None:
+    """A node's ranks write their first file only after their imports and the model's load: until
+    then its supervisor rewrites node-K.starting every PUBLISH_EVERY seconds (what the batch script
+    of a job with spares reads, tests/test_pbs_scripts.py), and no summary; once a rank has written,
+    the summary takes over and the start-up file is left as it was."""
+    from jobgen.train import heartbeat
+
+    monkeypatch.setattr(heartbeat, "PUBLISH_EVERY", 1.0)
+    for name, value in {"JOBGEN_RUN_DIR": str(tmp_path), "JOBGEN_JOB_ID": "12", "JOBGEN_RESTART_COUNT": "0",
+                        "NODE_RANK": "1", "NNODES": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(heartbeat.HANG_SECONDS_ENV, raising=False)
+    supervisor = Supervisor.from_env()
+    starting, summary = tmp_path / "heartbeat" / "node-1.starting", tmp_path / "heartbeat" / "node-1.json"
+
+    def seen(path: Path, what: str, check=lambda text: True) -> str:
+        deadline = time.monotonic() + 20
+        while not (path.exists() and check(path.read_text())):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+        return path.read_text()
+
+    supervisor.start()
+    try:
+        first = json.loads(seen(starting, "the supervisor wrote no start-up file"))
+        assert (first["job_id"], first["restart"], first["node_rank"]) == ("12", "0", 1)
+        seen(starting, "the start-up file was not rewritten", lambda text: json.loads(text)["seq"] > first["seq"])
+        assert not summary.exists()
+        local = Path(supervisor.local_dir)
+        (local / "rank1.json").write_text(json.dumps({"rank": 1, "pid": os.getpid(), "node": "node1", "step": 0,
+                                                      "phase": "start-up", "waiting": False, "at": time.monotonic()}))
+        (local / "rank1.alive").touch()
+        assert json.loads(seen(summary, "no summary once a rank had written"))["ranks"][0]["rank"] == 1
+        last = starting.read_text()
+        seen(summary, "the summary was not published again", lambda text: json.loads(text)["seq"] > json.loads(last)["seq"] + 1)
+        assert starting.read_text() == last
+    finally:
+        supervisor.close()
+
+
 SUPERVISOR = textwrap.dedent("""
     import json, os, subprocess, sys, time
     real_time = time.time

@@ -27,6 +27,12 @@ late that can be at N nodes.
 No clock is compared with another node's: a node is silent when its summary's sequence number
 has not changed for `node_silent(nnodes)` seconds of the reader's own monotonic clock. The
 wall-clock time in a summary is for people.
+
+Before its node's ranks write their first file (their imports, the model's load), a supervisor
+has no summary to publish; it rewrites RUN_DIR/heartbeat/node-K.starting every PUBLISH_EVERY
+seconds instead, from its start. Only the batch script of a job with spares reads it: a node the
+scheduler shows down (wrongly: a MoM that missed its reports) whose supervisor still writes is not
+taken for gone in its start-up. The supervisors' own readers go by the summaries alone.
 """
 
 from __future__ import annotations
@@ -371,6 +377,18 @@ class Supervisor:
         except OSError:
             pass  # a full or flaky file system: the next publish tries again
 
+    def say_starting(self) -> None:
+        """node-K.starting: this node lives, its ranks not yet started (the module's docstring)."""
+        from jobgen.files import replace_atomically
+
+        self._seq += 1
+        alive = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
+                 "at": time.time()}
+        try:
+            replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.starting"), json.dumps(alive))
+        except OSError:
+            pass  # as a summary: the next one tries again
+
     def node_summary(self, k: int) -> Optional[dict[str, Any]]:
         """Node K's summary of this segment, its ranks marked "silent node" when its sequence
         number has not changed for `node_silent` seconds of this reader's clock; None if none.
@@ -495,11 +513,15 @@ class Supervisor:
         published = followed = read = -float("inf")
         published_states, published_still = None, False
         aggregating, others = self.node_rank < AGGREGATORS, []
+        starting_said = -float("inf")
         while not self._stop.wait(1.0):
             mine = self.local_ranks()
-            if not mine:
-                continue
             now = self.now()
+            if not mine:
+                if now - starting_said >= PUBLISH_EVERY:
+                    self.say_starting()
+                    starting_said = now
+                continue
             local = tuple(sorted((r["rank"], r["step"], r["phase"], r["waiting"], r.get("progress"), r.get("micro"))
                                  for r in mine))
             pause_phases.add(segment_phase(rank_phases(mine)))
