@@ -317,7 +317,8 @@ def test_a_node_in_its_start_up_whose_supervisor_writes_is_not_silent_to_the_bat
     supervisor has said nothing for 30 s. Before its ranks start a node has no summary; its
     supervisor rewrites node-K.starting instead, so a node the server wrongly shows down (a MoM
     that missed its reports, seen on Torque) is not ended in its start-up. The script's own
-    function, looked at as its loop does, 10 s apart (bash's SECONDS set): node 0 publishes
+    function, looked at as its loop does, about 10 s apart (bash's SECONDS set; no look within a
+    second of a 30 s mark, since SECONDS counts whole seconds of the wall clock): node 0 publishes
     summaries, node 1 only its start-up file, node 2 nothing; then node 1 falls silent too."""
     job = {**probe_job(3, 1), "name": "silence", "resources": {"nodes": 3, "spare_nodes": 1, "gpus_per_node": 0}}
     script = jobgen("render", "-s", "torque", str(write_yaml(tmp_path / "job.yaml", job))).stdout
@@ -330,14 +331,14 @@ set -eo pipefail
 JOBGEN_RUN_DIR={tmp_path / "run"}
 jobgen_watched=(host1 host2 host3) jobgen_launched_host=() jobgen_launched_exit=()
 jobgen_summary_seen=() jobgen_summary_since=() jobgen_silent=()
-for t in 0 10 20 30 40; do
+for t in 0 10 20 32 45; do
   SECONDS=$t
   echo "$t" > {folder}/node-0.json
   echo "$t" > {folder}/node-1.starting
   jobgen_look_at_summaries
   echo "$t: ${{jobgen_silent[*]}}"
 done
-for t in 50 60 70; do
+for t in 55 65 80; do
   SECONDS=$t
   echo "$t" > {folder}/node-0.json
   jobgen_look_at_summaries
@@ -346,5 +347,5 @@ done
 """
     result = subprocess.run(["bash", "-c", looks], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["0: ", "10: ", "20: ", "30: host3", "40: host3", "50: host3", "60: host3",
-                                          "70: host2 host3"], result.stdout
+    assert result.stdout.splitlines() == ["0: ", "10: ", "20: ", "32: host3", "45: host3", "55: host3", "65: host3",
+                                          "80: host2 host3"], result.stdout
