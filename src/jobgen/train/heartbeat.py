@@ -365,29 +365,26 @@ class Supervisor:
     def publish(self, ranks: list[dict[str, Any]], stalled: bool = False) -> None:
         """`stalled`: this node's ranks have not moved for `still_seconds`, so an aggregating
         reader may decide on the quick bound (`everyone_reported`)."""
-        from jobgen.files import replace_atomically
-
-        self._seq += 1  # what readers time: "at" is for people, the nodes' clocks differ
-        summary = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
-                   "at": time.time(), "stalled": stalled, "bound": self.bound, "longest_pause": self.longest_pause,
-                   "ranks": ranks, "probe": list(self.listener.address) if self.listener else None,
-                   "stacks_taken": self._stacks_taken, "all_stacks_taken": self._all_stacks_taken}
-        try:
-            replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.json"), json.dumps(summary))
-        except OSError:
-            pass  # a full or flaky file system: the next publish tries again
+        self._write_shared("json", stalled=stalled, bound=self.bound, longest_pause=self.longest_pause, ranks=ranks,
+                           probe=list(self.listener.address) if self.listener else None,
+                           stacks_taken=self._stacks_taken, all_stacks_taken=self._all_stacks_taken)
 
     def say_starting(self) -> None:
         """node-K.starting: this node lives, its ranks not yet started (the module's docstring)."""
+        self._write_shared("starting")
+
+    def _write_shared(self, suffix: str, **fields: Any) -> None:
+        """RUN_DIR/heartbeat/node-K.SUFFIX, replaced whole, numbered: the number is what readers time,
+        "at" is for people (the nodes' clocks differ)."""
         from jobgen.files import replace_atomically
 
         self._seq += 1
-        alive = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
-                 "at": time.time()}
+        record = {"job_id": self.job_id, "restart": self.restart, "node_rank": self.node_rank, "seq": self._seq,
+                  "at": time.time(), **fields}
         try:
-            replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.starting"), json.dumps(alive))
+            replace_atomically(os.path.join(self.shared_dir, f"node-{self.node_rank}.{suffix}"), json.dumps(record))
         except OSError:
-            pass  # as a summary: the next one tries again
+            pass  # a full or flaky file system: the next write tries again
 
     def node_summary(self, k: int) -> Optional[dict[str, Any]]:
         """Node K's summary of this segment, its ranks marked "silent node" when its sequence
