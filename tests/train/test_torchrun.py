@@ -200,3 +200,67 @@ def test_the_ranks_share_a_node_folder_that_is_gone_when_they_have_exited(tmp_pa
     folders = {(tmp_path / f"folder-{local}").read_text() for local in (0, 1)}
     assert len(folders) == 1 and Path(folders.pop()).parent == temporary, folders
     assert list(temporary.iterdir()) == []
+
+
+class Failed:
+    """What ended_by_the_stop reads of torchrun's ChildFailedError: each failed rank's exit code."""
+
+    def __init__(self, *exitcodes: int) -> None:
+        self.failures = {rank: type("Failure", (), {"exitcode": code})() for rank, code in enumerate(exitcodes)}
+
+
+@pytest.mark.parametrize("stop, exitcodes, stopped", [
+    (signal.SIGTERM, [-signal.SIGTERM], True),   # stopped before its handler was in place, or in its exit
+    (signal.SIGUSR1, [-signal.SIGUSR1, -signal.SIGTERM], True),  # torchrun ended the node's other rank
+    (signal.SIGTERM, [-signal.SIGKILL], True),   # the grace spent
+    (signal.SIGTERM, [-signal.SIGTERM, 1], False),  # a rank that failed by itself
+    (signal.SIGTERM, [-signal.SIGSEGV], False),
+    (0, [-signal.SIGTERM], False),  # no stop was asked: a rank killed by a signal failed
+])
+def test_ranks_ended_by_a_signal_of_the_stop_are_a_stop_and_any_other_end_a_failure(stop, exitcodes, stopped) -> None:
+    from jobgen.train.torchrun import ended_by_the_stop
+
+    assert ended_by_the_stop(Failed(*exitcodes), stop) is stopped
+
+
+def test_a_second_stop_signal_is_ignored_while_ranks_live_and_ends_the_node_once_none_does(monkeypatch) -> None:
+    from torch.distributed.elastic.multiprocessing import api
+
+    from jobgen.train import torchrun
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # undone after the test
+    monkeypatch.setattr(torchrun, "NODE_STOP", torchrun.NodeStop())
+    monkeypatch.delenv("JOBGEN_RUN_DIR", raising=False)
+    torchrun.record_at_a_stop_signal()
+    with pytest.raises(api.SignalException):
+        api._terminate_process_handler(signal.SIGTERM, None)
+    assert torchrun.NODE_STOP.signum == signal.SIGTERM
+    monkeypatch.setattr(torchrun, "child_pids", lambda: [4242])  # a rank still saving
+    api._terminate_process_handler(signal.SIGTERM, None)  # nothing: its grace stands
+    monkeypatch.setattr(torchrun, "child_pids", lambda: [])
+    with pytest.raises(SystemExit) as leaving:
+        api._terminate_process_handler(signal.SIGINT, None)
+    assert leaving.value.code == 128 + signal.SIGTERM
+
+
+def test_after_a_stop_a_node_does_not_wait_300_s_at_the_exit_barrier_for_a_node_that_failed(tmp_path: Path, tools) -> None:
+    # Two nodes' torchruns on one host, after the batch script's stop request: node 0's rank saved
+    # and exited 0; node 1's failed (or was ended by the stop) and its torchrun left without the
+    # exit barrier. torch's barrier would keep node 0, and the job, 300 s.
+    (tmp_path / "stop-requested").touch()
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, sys, time\ntime.sleep(1)\nsys.exit(0 if os.environ['GROUP_RANK'] == '0' else 1)\n")
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+              "--monitor-interval=0.1", str(rank)]
+    env = tools.subprocess_env(JOBGEN_RUN_DIR=str(tmp_path))
+    started = time.monotonic()
+    nodes = [subprocess.Popen([sys.executable, "-m", "jobgen.train.torchrun", f"--node-rank={node}", *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    took = time.monotonic() - started
+    assert nodes[0].returncode == 0 and nodes[1].returncode == 1, outputs
+    assert took < 45, f"node 0 ended {took:.0f} s after it started:\n{outputs[0]}"

@@ -8,6 +8,7 @@ queue to ask whether a job lives: its processes are, found by the job id in thei
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ from jobgen.job.models import Job
 from jobgen.rundir import files as runfiles
 from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def local_job_id(seconds: int, pid: int) -> str:
@@ -42,15 +45,17 @@ class Local(Scheduler):
         """Starts the script here and returns; `self.process` is it, its output a pipe that the
         caller shows (jobgen.rundir.submission, with the training's progress) until it ends."""
         job_id = local_job_id(int(time.time()), os.getpid())
-        env = {**os.environ, "JOBGEN_JOB_ID": job_id}
+        env = {**os.environ, "JOBGEN_JOB_ID": job_id, "PATH": path_with_jobgens_commands(os.environ.get("PATH", ""))}
         log = run_dir / runfiles.batch_log(job_id)
         sys.stderr.write(f"jobgen: local job {job_id} starting; log {log}\n")
         # The script writes its own log (as on every scheduler); its output also goes to the
         # caller. It runs in a session of its own: a stop reaches it from the caller alone
         # (jobgen.rundir.progress.StopRequests), however the caller is asked to end, Ctrl-C
         # included, and the caller goes on showing its output until it has checkpointed.
+        # A `jobgen submit` that is killed (SIGKILL: nothing of it can pass a stop on) still stops
+        # its job: the script gets SIGTERM when its parent dies, and checkpoints and stops.
         self.process = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=terminate_when_the_parent_dies)
         (run_dir / runfiles.LOCAL_PID).write_text(f"{job_id} {self.process.pid}\n")
         return job_id
 
@@ -74,6 +79,25 @@ class Local(Scheduler):
             os.kill(script_pid(found), signal.SIGINT)
         except ProcessLookupError:
             raise JobgenError(f"local job {job_id} has ended: nothing to cancel") from None
+
+
+def path_with_jobgens_commands(path: str) -> str:
+    """PATH with the folder of the interpreter jobgen runs in last, where jobgen's own commands
+    are (jobgen-torchrun, jobgen-train): `.venv/bin/jobgen submit` run without activating .venv
+    finds them. Last, so that every command found before (the `python` of a job's own program
+    among them) is still the one the user's PATH gives. Unchanged where they are not there."""
+    folder = os.path.dirname(sys.executable)
+    if not os.access(os.path.join(folder, "jobgen-torchrun"), os.X_OK) or folder in path.split(os.pathsep):
+        return path
+    return os.pathsep.join([path, folder]) if path else folder
+
+
+def terminate_when_the_parent_dies() -> None:
+    """In the job's script, before it runs (Linux): SIGTERM when `jobgen submit` dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed `jobgen submit` leaves its job running, as before
 
 
 def job_processes(job_id: str) -> dict[int, int]:

@@ -33,6 +33,13 @@ node's ranks wait for a data store together, jobgen.train.node_relay), where tor
 temporary files go too; this removes it when they have exited, so a shared /tmp keeps nothing of
 the job (torchrun alone leaves a torchelastic_* folder per run).
 
+A stop is the stop whatever moment it meets the ranks (`NODE_STOP`): a rank ended by the stop's own
+signal (stopped before its program had its handler in place, or while its interpreter ended,
+when Python has put the default action back), by torchrun's SIGTERM to a node's other ranks after
+one ended, or by SIGKILL at the end of the grace, makes this node's end the stop's (128+N), not a
+failure; once the ranks have stopped, the exit barrier waits seconds, not torch's 300, for nodes
+that will not come; and a second stop signal once no rank is left ends this process at once.
+
 How long torchrun waits is TORCH_ELASTIC_SHUTDOWN_TIMEOUT (node.sh sets it to
 requeue.warning_seconds, the time the ranks have to write their checkpoint). torch reads it from
 2.12 on; torch 2.2 to 2.11 wait a fixed 30 s, so there this sets the same wait itself.
@@ -57,6 +64,31 @@ from jobgen.files import replace_atomically
 from jobgen.rundir.files import NODE_END_LOOKS, node_end, node_end_folder
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# How long the exit barrier waits for the other nodes once the ranks were asked to stop: they left
+# their last collective together, and a node that is not there within this failed or was ended.
+STOPPED_EXIT_BARRIER_SECONDS = 20
+STOPPED_DEPARTURE_SECONDS = 5  # and for their count out after it (seconds when every node came)
+
+
+class NodeStop:
+    """This node's stop as jobgen-torchrun knows it: the signal that asked the ranks to stop (the
+    first one this process received, or the one the stop-file forwarder sent them), 0 for none;
+    and the batch script's stop file, for jobgen-train, which reads that file itself."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.stop_file: Optional[str] = None
+
+    def asked(self, signum: int) -> None:
+        if not self.signum:
+            self.signum = int(signum)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signum) or bool(self.stop_file and os.path.exists(self.stop_file))
+
+
+NODE_STOP = NodeStop()
 REPORT_TO_ENV = "JOBGEN_REPORT_TO"  # launch.report_to, comma-separated, set by node.sh
 
 
@@ -112,8 +144,12 @@ def outlive_the_exit_barrier(seconds: float = 30.0) -> None:
     barrier = SimpleElasticAgent._exit_barrier
 
     def barrier_then_count_out(self):
+        stopping = NODE_STOP.requested
+        if stopping:
+            self._exit_barrier_timeout = min(self._exit_barrier_timeout, STOPPED_EXIT_BARRIER_SECONDS)
         barrier(self)
-        wait_for_every_departure(self._store, self._worker_group.group_world_size, seconds)
+        wait_for_every_departure(self._store, self._worker_group.group_world_size,
+                                 min(seconds, STOPPED_DEPARTURE_SECONDS) if stopping else seconds)
 
     SimpleElasticAgent._exit_barrier = barrier_then_count_out
 
@@ -174,6 +210,7 @@ class StopFileForwarder:
                 break
         else:
             return
+        NODE_STOP.asked(self.signum)
         for pid in child_pids():
             try:
                 os.kill(pid, self.signum)
@@ -219,6 +256,15 @@ def failed_rank_line(failed) -> str:
     more = f"; {others} more rank(s) of this node failed after it" if others else ""
     return (f"jobgen-torchrun: rank {rank} (local rank {first.local_rank}, pid {first.pid}) {how}{more}; "
             "its own error is above and in its rank log")
+
+
+def ended_by_the_stop(failed, stop_signum: int) -> bool:
+    """Whether every rank that did not exit 0 was ended by a signal of a stop asked for before:
+    the stop's own (a rank stopped before its program had its handler in place, or in its exit,
+    after Python put the default action back), SIGTERM (torchrun ends a node's other ranks once
+    one has ended) or SIGKILL (the grace spent). Such a node stopped; it did not fail."""
+    stop_deaths = {-int(stop_signum), -int(signal.SIGTERM), -int(signal.SIGKILL)}
+    return bool(stop_signum) and all(failure.exitcode in stop_deaths for failure in failed.failures.values())
 
 
 def exit_if_hung(supervisor) -> None:
@@ -275,10 +321,11 @@ def record_at_a_stop_signal() -> None:
     record is taken for one that went down. torchrun's handler is a module function that the
     ranks' process context installs by its name (torch 2.2 on): this one records, then runs it.
 
-    Only the first stop signal is acted on. torchrun's handler raises, and its agent then ends the
-    ranks, giving them the shutdown timeout to checkpoint; a second signal (the launcher ending each
-    task after jobgen asked the node to stop, as pbsdsh does) would raise again inside that shutdown,
-    cutting the ranks' grace short and printing a traceback for a stop that was asked for."""
+    Only the first stop signal is acted on while ranks live. torchrun's handler raises, and its
+    agent then ends the ranks, giving them the shutdown timeout to checkpoint; a second signal (the
+    launcher ending each task after jobgen asked the node to stop, as pbsdsh does) would raise again
+    inside that shutdown, cutting the ranks' grace short and printing a traceback for a stop that was
+    asked for. Once no rank is left, a second one ends this process (128+N of the first)."""
     from torch.distributed.elastic.multiprocessing import api
 
     handler = api._terminate_process_handler
@@ -286,8 +333,13 @@ def record_at_a_stop_signal() -> None:
 
     def record_then_stop(signum, frame):
         if stopping:
+            # Past the ranks' grace there is nothing to protect: with no rank left (this process
+            # waits at the exit barrier, or is ending), a second stop signal ends it now.
+            if not child_pids():
+                raise SystemExit(128 + stopping[0])
             return
         stopping.append(signum)
+        NODE_STOP.asked(signum)
         try:
             record_node_end(128 + signum)
         except Exception as error:  # noqa: BLE001 - the stop itself must go on whatever the record does
@@ -345,6 +397,10 @@ def run() -> None:
 
     from jobgen.train.heartbeat import Supervisor
 
+    from jobgen.rundir.files import STOP_REQUESTED
+
+    if os.environ.get("JOBGEN_RUN_DIR"):
+        NODE_STOP.stop_file = os.path.join(os.environ["JOBGEN_RUN_DIR"], STOP_REQUESTED)
     grace = shutdown_timeout_from_env()
     if grace is not None and not torch_reads_shutdown_timeout():
         honour_shutdown_timeout(grace)
@@ -367,6 +423,11 @@ def run() -> None:
         sys.exit(128 + int(stop.sigval))
     except ChildFailedError as failed:
         exit_if_hung(supervisor)  # the ranks it ended: torchrun reports them failed
+        if ended_by_the_stop(failed, NODE_STOP.signum):
+            name = signal.Signals(NODE_STOP.signum).name
+            sys.stderr.write(f"jobgen-torchrun: {name}: the ranks were told to stop and have exited "
+                             f"({len(failed.failures)} of them by a signal, not by their program's own exit)\n")
+            sys.exit(128 + NODE_STOP.signum)
         sys.stderr.write(failed_rank_line(failed) + "\n")
         sys.exit(1)
     except BaseException:

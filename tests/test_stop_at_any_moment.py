@@ -1,0 +1,188 @@
+"""A stop is a stop whatever moment of a program's life it meets: real local runs (two simulated
+nodes, one rank each) of a program of the user's own, stopped as a user does (Ctrl-C to `jobgen
+submit`) before its first step, mid-step, inside a save and while it exits. Each ends `interrupted`
+(a stop, from its newest complete checkpoint), never `failed`; `jobgen submit` returns within the
+job's warning_seconds plus seconds, and no process of the job is left.
+
+Before, a program stopped in its start-up (its handler not yet in place) or in its exit (its
+handler put back to the default, as Python does when its interpreter ends) was killed by the stop's
+own SIGTERM: torchrun reported the rank failed, the segment `failed` and was not requeued (3 of 6
+stops in the start-up window, on main at 3c7ceae), and the node whose ranks had saved waited at
+torch's exit barrier 300 s for the node that failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobgen.schedulers.local import job_processes
+
+WARNING_SECONDS = 30
+STEPS = 6
+
+# Trains STEPS steps of a tiny model with DDP on gloo; saves out/checkpoint-N (COMPLETE last) every
+# third step and at a stop; writes a marker file as it enters each phase, which the test waits for:
+# started-R (before torch is imported: no handler yet), steps.jsonl (a step done), saving-N (rank 0
+# inside a save, SAVE_DELAY s long), exiting-R (its steps done, the default action of SIGTERM back,
+# as Python's finalization puts it, then EXIT_DELAY s of teardown).
+PHASED_DDP = r'''import json, os, signal, sys, time
+out, rank = sys.argv[1], int(os.environ["RANK"])
+def mark(name):
+    open(os.path.join(out, name), "a").close()
+def wait(name):
+    time.sleep(float(os.environ.get(name, "0")))
+mark(f"started-{rank}")
+wait("START_DELAY")
+import torch
+import torch.distributed as dist
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
+dist.init_process_group("gloo")
+world = dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+start = 0
+if "--resume" in sys.argv:
+    state = torch.load(os.path.join(sys.argv[sys.argv.index("--resume") + 1], "state.pt"))
+    model.load_state_dict(state["model"])
+    start = state["step"]
+for step in range(start + 1, STEPS + 1):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+    loss = ddp(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if rank == 0:
+        with open(os.path.join(out, "steps.jsonl"), "a") as log:
+            log.write(json.dumps({"step": step}) + "\n")
+    wait("STEP_DELAY")
+    asked = torch.tensor([1 if stop else 0])
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    if step % 3 == 0 or asked.item():
+        if rank == 0:
+            mark(f"saving-{step}")
+            folder = os.path.join(out, f"checkpoint-{step}")
+            os.makedirs(folder, exist_ok=True)
+            wait("SAVE_DELAY")
+            torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "state.pt"))
+            open(os.path.join(folder, "COMPLETE"), "w").close()
+        dist.barrier()
+    if asked.item():
+        break
+dist.barrier()
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+mark(f"exiting-{rank}")
+wait("EXIT_DELAY")
+os._exit(0)
+'''.replace("STEPS + 1", str(STEPS + 1))
+
+# Each moment: the marker the stop waits for, and the delays that hold the program there.
+MOMENTS = {
+    "before-its-first-step": ("started-0", {"START_DELAY": "3"}),
+    "mid-step": ("steps.jsonl", {"STEP_DELAY": "0.5"}),
+    "inside-a-save": ("saving-3", {"SAVE_DELAY": "2", "STEP_DELAY": "0.2"}),
+    "while-it-exits": ("exiting-0", {"EXIT_DELAY": "3"}),
+}
+TRIALS = 2
+
+
+def write_job(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "train.py").write_text(PHASED_DDP)
+    (folder / "out").mkdir()
+    job = {"name": "own", "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
+           "launch": {"procs_per_node": 1, "command": ["python", "train.py", "out"],
+                      "resume_argument": "--resume {checkpoint}", "checkpoints": "out/checkpoint-*",
+                      "checkpoint_complete_file": "COMPLETE"},
+           "requeue": {"warning_seconds": WARNING_SECONDS}}
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"the job ended before {path.name}:\n{process.communicate()[0]}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_an_own_program_stopped_at_any_moment_ends_as_a_stop_and_returns(tmp_path: Path, moment: str, trial: int) -> None:
+    marker, delays = MOMENTS[moment]
+    write_job(tmp_path / "work")
+    work = tmp_path / "work"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **delays}
+    submit = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=work,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(work / "out" / marker, submit)
+        stopped = time.monotonic()
+        submit.send_signal(signal.SIGINT)  # Ctrl-C
+        output = submit.communicate(timeout=WARNING_SECONDS + 60)[0]
+    finally:
+        submit.kill()
+    took = time.monotonic() - stopped
+    run_dir = work / "runs" / "own"
+    segment = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
+    logs = "\n".join(path.read_text() for path in sorted((run_dir / "logs").glob("*.out")))
+    assert segment["outcome"] == "interrupted", f"{moment}: {segment}\n{output}\n{logs}"
+    assert "launch.command failed" not in output and "was killed by SIGTERM" not in logs, logs
+    newest = max((int(complete.parent.name.split("-")[1]) for complete in (work / "out").glob("checkpoint-*/COMPLETE")),
+                 default=None)
+    assert segment["last_step"] == newest, (segment, newest)
+    if moment == "inside-a-save":
+        assert newest is not None and newest >= 3, newest  # the save it was in completed
+    assert took < WARNING_SECONDS + 15, f"jobgen submit returned {took:.0f} s after Ctrl-C:\n{output}"
+    job_id = json.loads((run_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+    assert job_processes(job_id) == {}, f"processes of the job left: {job_processes(job_id)}"
+
+
+def test_a_jobgen_submit_killed_outright_still_stops_its_job_and_leaves_no_process(tmp_path: Path) -> None:
+    # SIGKILL: nothing of `jobgen submit` can pass a stop on. Its job's script is sent SIGTERM when
+    # it dies (the parent-death signal), checkpoints and stops, and writes its log to the end
+    # though the pipe to `jobgen submit` is gone.
+    work = tmp_path / "work"
+    write_job(work)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STEP_DELAY": "0.5"}
+    submit = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=work,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(work / "out" / "steps.jsonl", submit)
+    finally:
+        submit.kill()
+    submit.wait()
+    run_dir = work / "runs" / "own"
+    job_id = json.loads((run_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+    deadline = time.monotonic() + WARNING_SECONDS + 30
+    while job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(job_id) == {}, f"processes of the job left: {job_processes(job_id)}"
+    segment = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
+    log = (run_dir / "logs" / f"{job_id}.out").read_text()
+    assert segment["outcome"] == "terminated", f"{segment}\n{log}"
+    assert "jobgen: stopped (terminated)" in log, log
+
+
+def test_jobgens_own_commands_are_found_beside_the_python_that_runs_jobgen(tmp_path: Path) -> None:
+    # `.venv/bin/jobgen submit` without .venv activated: jobgen-torchrun is not on the user's PATH.
+    job = {"name": "beside", "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
+           "launch": {"procs_per_node": 1, "command": [sys.executable, "-c", "print('the program ran')"]}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not on PATH" not in done.stdout + done.stderr
+    logs = "".join(path.read_text() for path in (tmp_path / "runs" / "beside" / "logs").rglob("*.out"))
+    assert "the program ran" in logs, logs
