@@ -8,7 +8,8 @@ Before, a program stopped in its start-up (its handler not yet in place) or in i
 handler put back to the default, as Python does when its interpreter ends) was killed by the stop's
 own SIGTERM: torchrun reported the rank failed, the segment `failed` and was not requeued (3 of 6
 stops in the start-up window, on main at 3c7ceae), and the node whose ranks had saved waited at
-torch's exit barrier 300 s for the node that failed."""
+torch's exit barrier 300 s for the node that failed, and a rank whose peer the stop killed waited
+for that peer as long as gloo waits (30 min)."""
 
 from __future__ import annotations
 
@@ -38,13 +39,15 @@ out, rank = sys.argv[1], int(os.environ["RANK"])
 def mark(name):
     open(os.path.join(out, name), "a").close()
 def wait(name):
-    time.sleep(float(os.environ.get(name, "0")))
+    time.sleep(float(os.environ.get(f"{name}_{rank}", os.environ.get(name, "0"))))
 mark(f"started-{rank}")
 wait("START_DELAY")
 import torch
 import torch.distributed as dist
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
+mark(f"handler-{rank}")
+wait("INIT_DELAY")
 dist.init_process_group("gloo")
 world = dist.get_world_size()
 torch.manual_seed(0)
@@ -86,14 +89,20 @@ wait("EXIT_DELAY")
 os._exit(0)
 '''.replace("STEPS + 1", str(STEPS + 1))
 
-# Each moment: the marker the stop waits for, and the delays that hold the program there.
+# Each moment: the marker the stop waits for, and the delays (NAME_R: rank R's alone) that hold
+# the program there.
 MOMENTS = {
     "before-its-first-step": ("started-0", {"START_DELAY": "3"}),
+    # Rank 1 has its handler and is about to join the group; rank 0 is still importing: the stop
+    # kills rank 0, node 0's torchrun ends and takes the group's store with it, and rank 1, told to
+    # stop by its flag alone, would try to reach that store for 30 minutes.
+    "as-one-rank-starts": ("handler-1", {"START_DELAY_0": "8", "INIT_DELAY_1": "4"}),
     "mid-step": ("steps.jsonl", {"STEP_DELAY": "0.5"}),
     "inside-a-save": ("saving-3", {"SAVE_DELAY": "2", "STEP_DELAY": "0.2"}),
     "while-it-exits": ("exiting-0", {"EXIT_DELAY": "3"}),
 }
-TRIALS = 2
+# Two trials of each, but one where the stop waits out the ranks' grace (30 s).
+TRIALS = [(moment, trial) for moment in MOMENTS for trial in range(1 if moment == "as-one-rank-starts" else 2)]
 
 
 def write_job(folder: Path) -> None:
@@ -116,8 +125,7 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> Non
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("trial", range(TRIALS))
-@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize("moment, trial", TRIALS, ids=[f"{moment}-{trial}" for moment, trial in TRIALS])
 def test_an_own_program_stopped_at_any_moment_ends_as_a_stop_and_returns(tmp_path: Path, moment: str, trial: int) -> None:
     marker, delays = MOMENTS[moment]
     write_job(tmp_path / "work")

@@ -178,10 +178,16 @@ STOP_SIGNAL_ENV = "JOBGEN_STOP_SIGNAL"
 
 class StopFileForwarder:
     """Sends JOBGEN_STOP_SIGNAL to this process's children (torchrun's ranks) once, when
-    RUN_DIR/stop-requested appears: how a stop request reaches a program that reads no file."""
+    RUN_DIR/stop-requested appears: how a stop request reaches a program that reads no file.
 
-    def __init__(self, stop_file: str, signum: int, every: float = 0.5) -> None:
-        self.stop_file, self.signum, self.every = stop_file, signum, every
+    The ranks then have the grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, requeue.warning_seconds) to
+    save and exit, as torchrun gives them after a signal of its own; those still running are then
+    killed. A rank that the stop met with its handler in place, in a collective with a peer that
+    the same stop killed (its handler not yet in place), would otherwise wait out gloo's 30
+    minutes, and a local job's Ctrl-C with it."""
+
+    def __init__(self, stop_file: str, signum: int, every: float = 0.5, grace: float = 30.0) -> None:
+        self.stop_file, self.signum, self.every, self.grace = stop_file, signum, every, grace
         self._stop = threading.Event()
 
     @classmethod
@@ -195,7 +201,8 @@ class StopFileForwarder:
             signum = signal.Signals["SIG" + name.removeprefix("SIG")]
         except KeyError:
             sys.exit(f"jobgen-torchrun: {STOP_SIGNAL_ENV}={name!r}: expected a signal name such as TERM or USR1")
-        return cls(os.path.join(run_dir, STOP_REQUESTED), signum)
+        grace = shutdown_timeout_from_env()
+        return cls(os.path.join(run_dir, STOP_REQUESTED), signum, grace=30.0 if grace is None else grace)
 
     def start(self) -> "StopFileForwarder":
         threading.Thread(target=self._run, name="jobgen-stop-forwarder", daemon=True).start()
@@ -217,6 +224,17 @@ class StopFileForwarder:
             except ProcessLookupError:
                 pass  # ended meanwhile
         sys.stderr.write(f"jobgen-torchrun: stop requested: sent {self.signum.name} to the ranks\n")
+        if self._stop.wait(self.grace):
+            return  # torchrun has returned: every rank has exited
+        left = child_pids()
+        if left:
+            sys.stderr.write(f"jobgen-torchrun: {len(left)} rank(s) still running {self.grace:g} s after the stop "
+                             f"({SHUTDOWN_TIMEOUT_ENV}, requeue.warning_seconds): killing them\n")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def with_rank_logs(argv: list[str]) -> list[str]:
