@@ -306,15 +306,21 @@ def test_a_run_is_found_by_the_name_jobgen_runs_shows(tmp_path: Path, state: Pat
     assert f"run directory  {run_dir}" in status.stdout
     assert jobgen("logs", "tiny-lora", "--batch", cwd=elsewhere, env=env).stdout == "batch log of local-1\n"
     assert json.loads(jobgen("status", "--json", "tiny-lora", cwd=elsewhere, env=env).stdout)["run_dir"] == str(run_dir)
+    # export takes a run as the others do: here, one without its final model yet.
+    exported = jobgen("export", "tiny-lora", cwd=elsewhere, env=env)
+    assert exported.returncode == 2 and "no final model yet" in exported.stderr and str(run_dir) in exported.stderr, exported.stderr
 
     unknown = jobgen("status", "tiny-lorra", cwd=elsewhere, env=env)
     assert unknown.returncode == 2 and unknown.stderr == (
         "jobgen: error: 'tiny-lorra' is neither a run directory, a job id nor the name of a run submitted with "
         "`jobgen submit` (`jobgen runs` lists them)\n")
     other = write_run(tmp_path / "other" / "runs" / "tiny-lora", state, [{"id": "local-2", "segments": []}], name="tiny-lora")
+    # Two of one name (two checkouts' runs of one job): the newest, the other listed.
     both = jobgen("status", "tiny-lora", cwd=elsewhere, env=env)
-    assert both.returncode == 2 and both.stderr == (
-        f"jobgen: error: 'tiny-lora' names 2 runs: {other}; {run_dir}: give the run directory (or a job id) instead\n")
+    assert both.returncode == 0 and both.stderr == (
+        f"jobgen: 'tiny-lora' names 2 runs: this is the newest, {other}; the other(s): {run_dir} "
+        "(give a run directory to choose one)\n")
+    assert f"run directory  {other}" in both.stdout
     # A path still means the path: the run directory there, not a name.
     assert f"run directory  {run_dir}" in jobgen("status", "runs/tiny-lora", cwd=tmp_path / "project", env=env).stdout
 

@@ -11,7 +11,7 @@ from jobgen.errors import JobgenError
 
 
 @click.command()
-@click.argument("target", metavar="RUN_DIR|OUTPUT_DIR|FINAL_DIR", type=click.Path(path_type=Path))
+@click.argument("target", metavar="RUN_DIR|JOB_ID|NAME|OUTPUT_DIR|FINAL_DIR")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="The folder to write (default: OUTPUT_DIR/merged with --merge, else OUTPUT_DIR/export).")
 @click.option("--merge", is_flag=True, help="Merge a LoRA or Q-LoRA adapter into its base model's weights: a "
@@ -21,8 +21,11 @@ from jobgen.errors import JobgenError
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="The merged weights' type (auto: the base model's own).")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
-def export(target: Path, output: Optional[Path], merge: bool, base: Optional[str], dtype: str, force: bool) -> None:
+def export(target: str, output: Optional[Path], merge: bool, base: Optional[str], dtype: str, force: bool) -> None:
     """Export a finished run's final model (OUTPUT_DIR/final), e.g. jobgen export runs/NAME --merge -o NAME-merged.
+
+    The run is given as the other commands take it (its folder, a job id, or the name `jobgen
+    runs` shows), or as its output folder or the final model's folder.
 
     \b
     A LoRA or Q-LoRA run saves an adapter: --merge loads the base model on the CPU, merges the
@@ -32,7 +35,10 @@ def export(target: Path, output: Optional[Path], merge: bool, base: Optional[str
     """
     from jobgen.train.export import export as write_export, find_source
 
-    source = find_source(target)
+    from jobgen.rundir.run import find_run
+
+    # A folder is that folder; anything else names a run as `jobgen status` takes it.
+    source = find_source(Path(target) if Path(target).exists() else find_run(target).path)
     out = output or source.final.parent / ("merged" if merge else "export")
     if out.exists() and not force:
         raise JobgenError(f"{out} exists: give --force to replace it, or -o another folder")

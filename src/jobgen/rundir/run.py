@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,15 +154,21 @@ def runs_named(name: str) -> list[Path]:
     return list(found)
 
 
+_SAID_NEWEST: set[str] = set()
+
+
 def one_run_named(name: str) -> Optional[Path]:
-    """The one run directory (or sweep folder) `name` names; None when none does; JobgenError
-    listing them when several do."""
+    """The run directory (or sweep folder) `name` names, the most recently submitted where several
+    do (two checkouts' runs of one job, say), the others then listed in a line on stderr; None
+    when none does."""
     if not name or name.count("/") > 1:  # a name is NAME or SWEEP_NAME/POINT_NAME
         return None
     found = runs_named(name)
-    if len(found) > 1:
-        listed = "; ".join(str(path) for path in found)
-        raise JobgenError(f"'{name}' names {len(found)} runs: {listed}: give the run directory (or a job id) instead")
+    if len(found) > 1 and name not in _SAID_NEWEST:  # once, though a command may look a name up twice
+        _SAID_NEWEST.add(name)
+        others = "; ".join(str(path) for path in found[1:])
+        sys.stderr.write(f"jobgen: '{name}' names {len(found)} runs: this is the newest, {found[0]}; "
+                         f"the other(s): {others} (give a run directory to choose one)\n")
     return found[0] if found else None
 
 
