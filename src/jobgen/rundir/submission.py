@@ -17,7 +17,7 @@ from jobgen.job.layers import ResolvedJob
 from jobgen.errors import JobgenError
 from jobgen.files import write_atomic
 from jobgen.script.render import job_yaml, render
-from jobgen.rundir import files as runfiles
+from jobgen.rundir import files as runfiles, resubmission
 from jobgen.rundir.progress import StopRequests, watch_process
 from jobgen.rundir.run import RunDir
 from jobgen.schedulers import get_scheduler
@@ -48,6 +48,9 @@ def submit(resolved: ResolvedJob, scheduler_name: str, template_dirs: Sequence[P
     scheduler = get_scheduler(scheduler_name)
     planned = plan(resolved, scheduler_name, template_dirs)
     refuse_if_active(planned.run)
+    refused = resubmission.refusal(planned.run, resolved.job)
+    if refused:
+        raise JobgenError(refused)
     planned.run.logs.mkdir(parents=True, exist_ok=True)
     write_atomic(planned.run.job_file, job_yaml(resolved.job))
     write_atomic(planned.script_path, planned.script)
