@@ -121,8 +121,35 @@ def test_submit_returns_a_run_whose_status_and_cancel_read_the_run_directory(tmp
     found = json.loads(result.stdout.splitlines()[-1])
     run_dir = str(tmp_path / "runs" / "api-run")
     assert found["run"][1:] == [run_dir, "local"] and found["again"] == [found["run"][0], run_dir]
-    assert found == {**found, "state": None, "segments": ["completed"], "cancelled": False}
+    assert found == {**found, "state": "completed", "segments": ["completed"], "cancelled": False}
     assert "trained" in (tmp_path / "runs" / "api-run" / "logs" / f"{found['run'][0]}-node0.out").read_text()
+
+
+def test_wait_returns_how_a_run_ended_and_raises_when_it_did_not_complete(tmp_path: Path) -> None:
+    # Two programs of the job's own on the local scheduler: one that completes, one that fails.
+    code = (
+        "import json, jobgen\n"
+        "def job(name, status):\n"
+        "    return jobgen.Job.from_values({'name': name, 'resources': {'nodes': 1, 'time_limit': '00:05:00'},\n"
+        "        'launch': {'procs_per_node': 1, 'command': ['python', '-c', f'raise SystemExit({status})']}}, site='none')\n"
+        "done = job('fine', 0).submit(scheduler='local')\n"
+        "failed = job('broken', 3).submit(scheduler='local')\n"
+        "try:\n"
+        "    failed.wait(poll_seconds=0.1)\n"
+        "    raised = None\n"
+        "except jobgen.RunFailed as error:\n"
+        "    raised = [error.state, str(error)]\n"
+        "print(json.dumps({'done': done.wait(poll_seconds=0.1), 'state': failed.state, 'status': failed.status()['state'],\n"
+        "    'unchecked': failed.wait(check=False), 'raised': raised}))\n"
+    )
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    run_dir = tmp_path / "runs" / "broken"
+    assert found == {"done": "completed", "state": "failed", "status": "failed", "unchecked": "failed",
+                     "raised": ["failed", f"job {found['raised'][1].split()[1]} ({run_dir}) ended failed: "
+                                          f"`jobgen status {run_dir}` says why"]}
 
 
 def test_the_python_api_page_runs_as_written(workdir: Path) -> None:

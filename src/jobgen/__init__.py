@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 # The Python API (jobgen/api.py, above every part): loaded on first use, so that `import jobgen`,
 # which every command and every rank does, does not import the job models and schedulers for it.
-_API = ("Job", "Run", "InvalidJob", "JobgenError")
+_API = ("Job", "Run", "InvalidJob", "JobgenError", "RunFailed")
 
 
 def __getattr__(name: str):

@@ -31,7 +31,16 @@ if TYPE_CHECKING:
     from jobgen.job.sites import SiteProfile
     from jobgen.rundir.submission import Plan
 
-__all__ = ["Job", "Run", "InvalidJob", "JobgenError"]
+__all__ = ["Job", "Run", "InvalidJob", "JobgenError", "RunFailed"]
+
+
+class RunFailed(JobgenError):
+    """`Run.wait` of a run that ended other than `completed`: its `state` (failed, restarts_exhausted,
+    restart_storm, or a stop that is not requeued, such as a local run's interrupted) and its `run`."""
+
+    def __init__(self, message: str, state: str, run: "Run") -> None:
+        super().__init__(message)
+        self.state, self.run = state, run
 
 Overrides = Union[Iterable[str], Mapping[str, Any]]
 
@@ -264,22 +273,53 @@ class Run:
 
     def status(self) -> dict[str, Any]:
         """What `jobgen status --json` prints: the scheduler's state now (`scheduler_state`, None for
-        a job run in the foreground), every segment and how it ended, the last loss, the final model."""
+        a job run in the foreground), every segment and how it ended, the last loss, the final model;
+        and `state`, the run's as a whole, as `jobgen runs` says it (Run.run_state)."""
         from jobgen.rundir.status import collect
 
-        return collect(str(self.run_dir))
+        return {**collect(str(self.run_dir)), "state": self.run_state()}
 
     @property
     def state(self) -> Optional[str]:
-        """The scheduler's word for this job now (PENDING, RUNNING, R, Q, ...); None when the
-        scheduler no longer knows it or the job ran in the foreground."""
+        """The scheduler's word for this job while it holds it (PENDING, RUNNING, R, Q, ...); once
+        it does not (the job has ended, or ran in the foreground), the run's own word for how it
+        ended (`completed`, `failed`, `preempted`, ...: Run.run_state); None where neither says."""
         from jobgen.schedulers import get_scheduler
 
         scheduler = get_scheduler(self.scheduler)
-        if scheduler.runs_in_foreground:
-            return None
-        found = scheduler.state(self.job_id)
-        return found.state if found else None
+        found = None if scheduler.runs_in_foreground else scheduler.state(self.job_id)
+        if found and found.state.upper() in scheduler.active_states:
+            return found.state
+        ended = self.run_state()
+        return ended if ended not in ("gone", "not started", "submitted") else (found.state if found else None)
+
+    def run_state(self) -> str:
+        """The run's state as `jobgen runs` shows it: pending or running while its latest job is
+        queued or running, then how its newest segment ended (completed, failed, restarts_exhausted,
+        restart_storm for good; preempted, time_limit, ... where it waits to be requeued)."""
+        from jobgen.rundir.index import describe
+
+        return describe({"run_dir": str(self.run_dir), "job_id": self.job_id, "scheduler": self.scheduler})["state"]
+
+    def wait(self, timeout: Optional[float] = None, poll_seconds: float = 10.0, check: bool = True) -> str:
+        """Wait until the run has ended for good (no job of it queued or running, and none to come:
+        a requeue or a continuation keeps it waiting) and return how (Run.run_state). Raises
+        RunFailed when that is not `completed` (unless `check` is False), JobgenError after `timeout`
+        seconds. The scheduler is asked once per `poll_seconds`."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.run_state()
+            if state not in ("pending", "running", "submitted"):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobgenError(f"job {self.job_id} ({self.run_dir}) is still {state} after {timeout:g} s")
+            time.sleep(poll_seconds if deadline is None else max(0.0, min(poll_seconds, deadline - time.monotonic())))
+        if check and state != "completed":
+            raise RunFailed(f"job {self.job_id} ({self.run_dir}) ended {state}: `jobgen status {self.run_dir}` says why",
+                            state, self)
+        return state
 
     def cancel(self) -> bool:
         """Cancel the job (scancel, qdel; a local job checkpoints first); False, doing nothing, when
