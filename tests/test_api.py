@@ -52,7 +52,7 @@ def test_validate_returns_what_the_command_prints_as_warnings(workdir: Path) -> 
     printed = jobgen_command("validate", "-s", "slurm", "--site", "none", "--set", "resources.gpus_per_node=2", "job.yaml", cwd=workdir)
     assert printed.returncode == 0, printed.stderr
     assert printed.stderr.splitlines() == [f"jobgen: warning: {warning}" for warning in warnings]
-    assert printed.stdout == f"job.yaml: ok: {job.describe()}; checked for slurm\n"
+    assert printed.stdout == f"job.yaml: ok: {job.describe()}; checked for slurm\n{job.describe_requeue()}\n"
 
 
 def test_a_missing_data_file_is_a_jobgen_error_naming_the_field(workdir: Path) -> None:

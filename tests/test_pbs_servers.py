@@ -191,7 +191,9 @@ def follow_continuations(server: PbsServer, folder: Path, run_dir: Path, first_i
         assert (after["first_step"], after["restart"]) == (before["last_step"], number), segments
         assert after["job_id"] != before["job_id"]
         log = (run_dir / "logs" / f"{before['job_id']}.out").read_text()
-        assert f"jobgen: continuation {after['job_id']} submitted (restart {number} of at most 5)" in log
+        # Each segment saved a newer checkpoint: its continuation does not spend requeue.max_restarts.
+        assert (f"jobgen: continuation {after['job_id']} submitted (restart {number}, not counted toward "
+                "requeue.max_restarts ") in log, log
     return segments
 
 
@@ -295,9 +297,12 @@ def test_openpbs_an_express_job_preempts_a_training_that_resumes_exactly(openpbs
 
 def test_openpbs_at_its_walltime_a_training_continues_in_a_job_it_submits_and_ends_exactly(openpbs: PbsServer, tiny: Path, reference: dict) -> None:
     # PBS cannot warn before the walltime: the script's own timer stops it 30 s before the limit,
-    # after a minute, when 12 steps of 5 s cannot have been trained.
+    # after a minute, when 12 steps of 5 s cannot have been trained. requeue.max_restarts is 0:
+    # every continuation at the walltime saved a newer checkpoint, and none is counted, so the run
+    # of more segments than max_restarts completes (before, its first continuation was refused).
     folder = openpbs.folder("walltime")
-    job = lora_job(tiny, "walltime", setup_lines(openpbs), step_delay=5, resources={"time_limit": "00:01:30"})
+    job = lora_job(tiny, "walltime", setup_lines(openpbs), step_delay=5, resources={"time_limit": "00:01:30"},
+                   requeue={"max_restarts": 0})
     first_id = submit(openpbs, folder, job, "qsub", env={"JOBGEN_TEST_TOKEN": SECRET})
     run_dir = run_dir_of(folder, job)
     segments = follow_continuations(openpbs, folder, run_dir, first_id)

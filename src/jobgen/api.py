@@ -167,6 +167,16 @@ class Job:
         sizes = "-".join(str(w) for w in sorted({min(job.world_sizes), max(job.world_sizes)}))
         return f"{job.resources.nodes} node(s) x {job.procs_per_node} process(es) = world size {sizes} ({job.backend}); {what}"
 
+    def describe_requeue(self) -> str:
+        """One line of what ends a segment and what follows, as the batch script decides it."""
+        requeue = self.spec.requeue
+        if not requeue.enabled:
+            return "requeue: off (requeue.enabled: false): a stopped job is not requeued; submit it again to resume"
+        return (f"requeue: at SIG{requeue.signal} {requeue.warning_seconds} s before the time limit and on preemption, "
+                f"at most {requeue.max_restarts} restart(s) counted (after a failure, a preemption or a time limit that "
+                "saved nothing new; a continuation at the time limit that saved a newer checkpoint is not counted); "
+                f"{requeue.max_restarts_without_progress} segments in a row without a newer checkpoint stop it")
+
     # ---- checks
 
     def validate(self, scheduler: Optional[str] = None, *, files: bool = True,

@@ -109,6 +109,7 @@ def validate(
     job.check_templates(template_dirs)
     checked = f"checked for {scheduler}" if scheduler else "not checked against a scheduler (give --scheduler)"
     click.echo(f"{config}: ok: {job.describe()}; {checked}")
+    click.echo(job.describe_requeue())
     if sweep is not None:
         click.echo(f"sweep: {len(points)} points ok: {', '.join(point.name for point in sweep.points)}")
 

@@ -881,7 +881,9 @@ class Requeue(_Strict):
     max_restarts: int = Field(
         5, ge=0, le=1000, examples=[10],
         description="restarts of one submission at most, its own requeues and the scheduler's (Slurm after a lost node, "
-        "a PBS server's rerun); past it the job stops and keeps its checkpoints, and submitting it again continues",
+        "a PBS server's rerun), after a failure, a preemption or a time limit that saved nothing new; a continuation at "
+        "the time limit after a segment that saved a newer checkpoint is not counted, so a long run in time-limit "
+        "chunks completes. Past it the job stops and keeps its checkpoints, and submitting it again continues",
     )
     max_restarts_without_progress: int = Field(
         3, ge=1, le=1000,

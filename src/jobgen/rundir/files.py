@@ -46,6 +46,10 @@ IN_ALLOCATION_RESTARTS = "in-allocation-restarts"
 # One line per segment in a row that ended without a newer complete checkpoint ("STEP OUTCOME NODES..."):
 # requeue.max_restarts_without_progress of them stop the job. Removed by a segment that commits one.
 STALLED_SEGMENTS = "stalled-segments"
+# One line per continuation at the time limit after a segment that saved a newer checkpoint
+# ("JOBID RESTART STEP"), written by the batch script as it requeues: requeue.max_restarts does not
+# count these. Removed at a new submission (restart 0).
+UNCOUNTED_RESTARTS = "uncounted-restarts"
 NODE_EXITS = "node-exits"  # a file per node (NODE_RANK) whose setup ended with exit_node_failed or exit_do_not_requeue: "STATUS NODE"
 # Per segment (NODE_ENDS/JOBID-RESTART/), a record per node written as the node's part ends:
 # "STATUS NODE PHASE", PHASE `setup` (its setup ended it) or `run` (jobgen-torchrun's own status).
@@ -164,6 +168,7 @@ class _TemplateFiles:
     exit_do_not_requeue = EXIT_DO_NOT_REQUEUE
     exit_restart_storm = EXIT_RESTART_STORM
     stalled_segments = STALLED_SEGMENTS
+    uncounted_restarts = UNCOUNTED_RESTARTS
     batch_log = staticmethod(batch_log)
     node_log = staticmethod(node_log)
     rank_log = staticmethod(rank_log)
