@@ -49,6 +49,11 @@ def test_validate_returns_what_the_command_prints_as_warnings(workdir: Path) -> 
     warnings = job.validate(scheduler="slurm")
     assert warnings[0] == ("global batch 16 (per-device 4 x 2 processes x accumulation 2) is outside 64-256, "
                            "the usual range for LoRA fine-tunes")
+    # A global batch given outright: its accumulation follows from it, and the line says so.
+    given = jobgen.Job.load("job.yaml", site="none", overrides=["training.global_batch_size=48",
+                                                                 "training.gradient_accumulation=8"])
+    assert given.warnings[0] == ("global batch 48 (training.global_batch_size, split over 8 processes in micro-batches "
+                                 "of at most 4) is outside 64-256, the usual range for LoRA fine-tunes")
     printed = jobgen_command("validate", "-s", "slurm", "--site", "none", "--set", "resources.gpus_per_node=2", "job.yaml", cwd=workdir)
     assert printed.returncode == 0, printed.stderr
     assert printed.stderr.splitlines() == [f"jobgen: warning: {warning}" for warning in warnings]

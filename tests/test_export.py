@@ -3,6 +3,7 @@ Ctrl-C and resumed to its end) merged into its base with peft, and what a bad ta
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ def test_a_lora_run_merged_gives_the_peft_models_logits_and_loads_without_peft(s
     assert exported.stderr.splitlines()[-1] == f"jobgen: exported {base} with the adapter merged in: {out}"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / "adapter_config.json").exists()
+    # Made to be shared: every file and folder as the user's umask makes them (was -rw------- once).
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in [out, *out.rglob("*")]}
+    assert modes == {name: (0o777 if (out / name).is_dir() or name == out.name else 0o666) & ~mask for name in modes}, modes
 
     script = tmp_path / "logits.py"
     script.write_text(LOGITS_WITHOUT_PEFT.format(prompt=PROMPT))

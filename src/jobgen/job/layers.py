@@ -167,9 +167,11 @@ def _training_warnings(job: Job) -> list[str]:
         )
     probe = job.launch.entrypoint == "jobgen-probe"
     if not probe and job.training.method in ("lora", "qlora") and not 64 <= job.global_batch <= 256:
-        warnings.append(
-            f"global batch {job.global_batch} (per-device {job.training.per_device_batch_size} x "
-            f"{job.world_size} processes x accumulation {job.training.gradient_accumulation}) is outside "
-            "64-256, the usual range for LoRA fine-tunes"
-        )
+        if job.training.global_batch_size:  # accumulation follows from it: the product would not be it
+            made_of = (f"training.global_batch_size, split over {job.world_size} processes in micro-batches of at most "
+                       f"{job.training.per_device_batch_size}")
+        else:
+            made_of = (f"per-device {job.training.per_device_batch_size} x {job.world_size} processes x accumulation "
+                       f"{job.training.gradient_accumulation}")
+        warnings.append(f"global batch {job.global_batch} ({made_of}) is outside 64-256, the usual range for LoRA fine-tunes")
     return warnings

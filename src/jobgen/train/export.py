@@ -100,12 +100,24 @@ def export(source: Source, out: Path, merge: bool, base: Optional[str] = None, d
             what = f"the adapter, for {base_ref} (peft loads it)"
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.final))
         tokenizer.save_pretrained(str(temp))
+        with_the_users_umask(temp)
         if out.exists():
             shutil.rmtree(out)
         os.rename(temp, out)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return f"{what}: {out}"
+
+
+def with_the_users_umask(folder: Path) -> None:
+    """Every file and folder under `folder` with the modes a file the user makes gets (0644 and
+    0755 under the usual umask 022): the run's files may have been written private (atomic writes
+    through a temporary file are 0600), and an exported model is made to be shared and loaded."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def base_model(source: Source) -> str:
