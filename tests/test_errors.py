@@ -179,3 +179,15 @@ def test_warnings_do_not_fail_the_render(tmp_path: Path) -> None:
     assert "warning: training.zero_stage 3 across nodes" in result.stderr
     assert "warning: training.save_interval 1000 steps x 10 s" in result.stderr
     assert "warning: global batch 16" in result.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["submit", "--bogus", "job.yaml"], "jobgen: error: No such option '--bogus' (see jobgen submit --help)"),
+    (["render", "-s", "nope", "job.yaml"], "jobgen: error: Invalid value for '--scheduler' / '-s': 'nope' is not one of "
+                                           "'slurm', 'pbs', 'torque', 'local' (installed plug-ins included) (see jobgen render --help)"),
+    (["stauts"], "jobgen: error: No such command 'stauts'. Did you mean 'status'? (see jobgen --help)"),
+])
+def test_a_command_line_click_refuses_is_one_line_naming_the_help_to_read(args: list[str], line: str) -> None:
+    result = jobgen(*args)
+    assert result.returncode == 2 and result.stderr == line + "\n", result.stderr
+

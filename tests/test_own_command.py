@@ -152,6 +152,9 @@ def test_resume_from_a_chosen_checkpoint_of_the_own_program_sets_the_later_ones_
     assert dry.returncode == 0, dry.stderr
     assert ("resuming from step 10 (launch.checkpoints); later checkpoints (checkpoint-20, checkpoint-25): "
             "would be set aside") in dry.stderr
+    # Said again as the last line, under the script, where a terminal leaves its reader.
+    assert dry.stderr.splitlines()[-1] == ("jobgen: dry run, nothing moved or submitted: resuming from step 10 "
+                                           "(launch.checkpoints); later checkpoints (checkpoint-20, checkpoint-25): would be set aside")
     assert (tmp_path / "out" / "checkpoint-20").exists()  # a dry run moves nothing
 
     ran = jobgen("submit", "-s", "local", "--resume-from", "10", str(config), cwd=tmp_path, env={"PATH": VENV_PATH},

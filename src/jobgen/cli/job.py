@@ -164,13 +164,14 @@ def submit(
         if resume_from:
             raise click.UsageError("--resume-from resumes one run; give it a point's own job, not --sweep")
         return _submit_sweep(resolved, points, sweep, scheduler, template_dirs, dry_run)
-    if resume_from:
-        _set_aside_after(resolved, resume_from, dry_run)
+    resuming = _set_aside_after(resolved, resume_from, dry_run) if resume_from else None
     if dry_run:
         planned = job.plan(scheduler, template_dirs=template_dirs)
         click.echo(f"# run directory: {planned.run.path}", err=True)
         click.echo(f"# ---- {planned.script_path} ----", err=True)
         click.echo(planned.script, nl=False)
+        if resuming:  # said again under the script, where the terminal leaves the reader
+            click.echo(f"jobgen: dry run, nothing moved or submitted: {resuming.removeprefix('jobgen: ')}", err=True)
         return
     from jobgen.schedulers import get_scheduler
 
@@ -186,9 +187,9 @@ def submit(
         sys.exit(foreground_exit_status(RunDir(run.run_dir)))
 
 
-def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:
+def _set_aside_after(resolved, choice: str, dry_run: bool) -> str:
     """--resume-from: the checkpoints after the chosen one out of the trainer's sight (jobgen.rundir.rewind),
-    once no job of the run is queued or running."""
+    once no job of the run is queued or running. The line it printed."""
     from jobgen.rundir import rewind, submission
     from jobgen.rundir.metrics import output_dir
 
@@ -200,11 +201,12 @@ def _set_aside_after(resolved, choice: str, dry_run: bool) -> None:
     step = rewind.chosen_step(output, choice)
     moved = rewind.set_aside_after(output, step, dry_run)
     where = f"moved to {moved[0].parent}" if moved and not dry_run else "would be set aside" if moved else "none to set aside"
-    click.echo(f"jobgen: resuming from step-{step:06d}; later checkpoints ({', '.join(p.name for p in moved) or 'none'}): "
-               f"{where}", err=True)
+    said = f"jobgen: resuming from step-{step:06d}; later checkpoints ({', '.join(p.name for p in moved) or 'none'}): {where}"
+    click.echo(said, err=True)
+    return said
 
 
-def _set_aside_own_after(resolved, run_dir: Path, choice: str, dry_run: bool) -> None:
+def _set_aside_own_after(resolved, run_dir: Path, choice: str, dry_run: bool) -> str:
     """--resume-from for the job's own program: its checkpoints are what launch.checkpoints matches
     under the working directory, and the batch script resumes from the newest complete one, so the
     later ones are moved out of the pattern's reach."""
@@ -216,8 +218,10 @@ def _set_aside_own_after(resolved, run_dir: Path, choice: str, dry_run: bool) ->
     step = rewind.own_chosen_step(workdir, launch.checkpoints, launch.checkpoint_complete_file, choice, run_dir)
     moved = rewind.set_aside_own_after(workdir, launch.checkpoints, step, dry_run)
     where = f"moved to {moved[0].parent}" if moved and not dry_run else "would be set aside" if moved else "none to set aside"
-    click.echo(f"jobgen: resuming from step {step} (launch.checkpoints); later checkpoints "
-               f"({', '.join(p.name for p in moved) or 'none'}): {where}", err=True)
+    said = (f"jobgen: resuming from step {step} (launch.checkpoints); later checkpoints "
+            f"({', '.join(p.name for p in moved) or 'none'}): {where}")
+    click.echo(said, err=True)
+    return said
 
 
 def _check_point_files(base, points) -> None:

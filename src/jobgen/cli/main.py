@@ -18,7 +18,9 @@ from jobgen.errors import JobgenError
 
 
 class JobgenGroup(click.Group):
-    """Turns a JobgenError anywhere below into one line on stderr and exit status 2."""
+    """Turns a JobgenError anywhere below into one line on stderr and exit status 2; and a command
+    line click refuses (an unknown option, a bad value) into one line too, naming the --help to
+    read, where click prints four (usage, hint, a blank line, the error)."""
 
     aliases = {"list": "runs"}  # other names a command answers to, left out of --help
 
@@ -33,6 +35,18 @@ class JobgenGroup(click.Group):
             for line in str(error).splitlines():
                 click.echo(f"jobgen: error: {line}", err=True)
             sys.exit(2)
+        except click.UsageError as error:
+            click.echo(f"jobgen: error: {error.format_message().rstrip('.')} (see {command_words(error.ctx)} --help)", err=True)
+            sys.exit(error.exit_code)
+
+
+def command_words(ctx) -> str:
+    """`jobgen submit` for a context of submit, however jobgen was started (`python -m jobgen.cli`)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["jobgen", *reversed(names)])
 
 
 @click.group(cls=JobgenGroup, context_settings={"help_option_names": ["-h", "--help"]})
