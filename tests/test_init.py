@@ -59,6 +59,27 @@ def test_without_a_terminal_a_missing_answer_is_one_line_not_a_prompt(folder: Pa
     assert not (folder / "job.yaml").exists()
 
 
+def test_answers_from_a_pipe_are_taken_one_a_line_in_the_questions_order(folder: Path) -> None:
+    # model, data, method (empty: lora), nodes, GPUs per node, scheduler, partition, account, time limit
+    answers = "tiny/model\ndata/chat.jsonl\n\n2\n0\nslurm\ngpu\nproj42\n1-00:00:00\n"
+    made = subprocess.run([sys.executable, "-m", "jobgen.cli", "init"], cwd=folder, input=answers,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stderr.startswith("jobgen: wrote job.yaml; next: jobgen validate --scheduler slurm job.yaml\n"), made.stderr
+    job = yaml.safe_load((folder / "job.yaml").read_text())
+    assert job["name"] == "tiny-lora" and job["training"]["method"] == "lora"
+    assert job["resources"] == {"nodes": 2, "gpus_per_node": 0, "partition": "gpu", "account": "proj42",
+                                "time_limit": "1-00:00:00"}
+    # A bad answer names its question's option; a pipe that ends early leaves the rest to defaults.
+    bad = subprocess.run([sys.executable, "-m", "jobgen.cli", "init", "-o", "other.yaml"], cwd=folder,
+                         input="tiny/model\ndata/chat.jsonl\ndora\n", capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("jobgen: error: --method: the answer 'dora' read from stdin: "), bad.stderr
+    short = subprocess.run([sys.executable, "-m", "jobgen.cli", "init", "-o", "short.yaml", "-s", "pbs"], cwd=folder,
+                           input="tiny/model\ndata/chat.jsonl\n", capture_output=True, text=True, timeout=120)
+    assert short.returncode == 0, short.stderr
+    assert yaml.safe_load((folder / "short.yaml").read_text())["resources"]["time_limit"] == "08:00:00"
+
+
 def test_an_existing_file_is_replaced_only_with_force(folder: Path) -> None:
     (folder / "job.yaml").write_text("name: mine\n")
     args = ("--recipe", "qwen2.5-7b-lora", "--data", "data/chat.jsonl", "-s", "slurm")
@@ -76,8 +97,8 @@ def test_on_a_terminal_it_asks_for_what_no_flag_gives(folder: Path) -> None:
     process = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "init", "--nodes", "1"], cwd=folder,
                                stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
-    # model, data, method, GPUs per node (0), scheduler; the nodes came as a flag
-    answers = iter(["tiny/model", "data/chat.jsonl", "qlora", "0", "pbs"])
+    # model, data, method, GPUs per node (0), scheduler, queue, account, time limit; the nodes came as a flag
+    answers = iter(["tiny/model", "data/chat.jsonl", "qlora", "0", "pbs", "workq", "", "12:00:00"])
     seen = b""
     deadline = time.monotonic() + 60
     while process.poll() is None and time.monotonic() < deadline:
@@ -92,11 +113,14 @@ def test_on_a_terminal_it_asks_for_what_no_flag_gives(folder: Path) -> None:
     os.close(leader)
     shown = seen.decode(errors="replace")
     assert process.returncode == 0, shown
-    for question in ("Model (hub name or local folder)", "Training data", "Method", "GPUs per node (0: CPUs) [8]", "Scheduler"):
+    for question in ("Model (hub name or local folder)", "Training data", "Method", "GPUs per node (0: CPUs) [8]", "Scheduler",
+                     "Partition or queue", "Account to charge", "Time limit of each segment ([D-]HH:MM:SS) [08:00:00]"):
         assert question in shown
     assert "Nodes" not in shown
     job = yaml.safe_load((folder / "job.yaml").read_text())
-    assert job["name"] == "model-qlora" and job["training"]["method"] == "qlora"
+    # Named after the folder that names the model (tiny), not the generic one inside it (model).
+    assert job["name"] == "tiny-qlora" and job["training"]["method"] == "qlora"
+    assert job["resources"] == {"nodes": 1, "gpus_per_node": 0, "partition": "workq", "time_limit": "12:00:00"}
     assert job["training"]["lora"] == {"r": 64, "alpha": 16, "dropout": 0.1}
     assert jobgen("validate", "-s", "pbs", "job.yaml", cwd=folder).returncode == 0
 

@@ -46,7 +46,9 @@ WHY = {
     "training.lora": "adapter rank and scale (alpha / r) on every attention and MLP projection",
     "training.gradient_checkpointing": "recomputes activations in the backward pass: less memory, ~30% slower",
     "training.save_interval": "steps between checkpoints; a preempted job resumes from the last",
-    "requeue.max_restarts": "requeues after a preemption or the time limit, at most",
+    "resources.partition": "the Slurm partition or PBS queue",
+    "resources.account": "charged for the job's node-hours",
+    "requeue.max_restarts": "restarts after a failure or preemption, at most (continuations at the time limit that progressed are free)",
 }
 
 
@@ -60,20 +62,28 @@ WHY = {
 @click.option("--method", type=click.Choice(METHODS), help="full, lora or qlora (default lora).")
 @click.option("--nodes", type=click.IntRange(min=1), help="Nodes (default 1).")
 @click.option("--gpus-per-node", type=click.IntRange(min=0, max=64), help="GPUs per node, 0 for CPUs (default 8).")
+@click.option("--partition", metavar="NAME", help="Slurm partition or PBS queue (default: the scheduler's own).")
+@click.option("--account", metavar="NAME", help="The account the job is charged to (default: none given).")
+@click.option("--time-limit", metavar="[D-]HH:MM:SS", help="Each segment's wall time (default 08:00:00); the job "
+              "checkpoints before it and goes on in a continuation.")
 @click.option("--name", metavar="NAME", help="The job's name (default: the model's, with the method).")
 @click.option("--scheduler", "-s", type=SchedulerName(), help="The scheduler it is for; checked now and named in the file's first lines.")
 @click.option("--site", metavar="NAME", help="A site profile (its defaults and limits apply), instead of --scheduler.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def init(output: Path, recipe: Optional[str], list_recipes: bool, model: Optional[str], data: Optional[str],
-         method: Optional[str], nodes: Optional[int], gpus_per_node: Optional[int], name: Optional[str],
-         scheduler: Optional[str], site: Optional[str], force: bool) -> None:
+         method: Optional[str], nodes: Optional[int], gpus_per_node: Optional[int], partition: Optional[str],
+         account: Optional[str], time_limit: Optional[str], name: Optional[str], scheduler: Optional[str],
+         site: Optional[str], force: bool) -> None:
     """Write a first job file, commented, that `jobgen validate` passes.
 
     \b
-    Asks for what no option gives when run on a terminal; otherwise (CI, a pipe) never asks:
-    --model and --data are then needed, unless a --recipe gives them, and the rest defaults.
+    Asks for what no option gives, in this order: model, data, method, nodes, GPUs per node,
+    scheduler, partition, account, time limit. On a terminal it asks; from a pipe or a file it
+    takes one answer a line (an empty line: the default); with nothing on stdin (CI) it asks
+    nothing: --model and --data are then needed, unless a --recipe gives them, and the rest defaults.
       jobgen init                                   # asks
-      jobgen init --recipe qwen2.5-7b-lora --data data/chat.jsonl -s slurm
+      printf 'Qwen/Qwen2.5-7B-Instruct\ndata/chat.jsonl\n' | jobgen init -s slurm
+      jobgen init --recipe qwen2.5-7b-lora --data data/chat.jsonl -s slurm --partition gpu --time-limit 12:00:00
       jobgen init --model Qwen/Qwen2.5-7B-Instruct --data data/chat.jsonl --method lora --nodes 2 --gpus-per-node 8 -s slurm
     """
     if list_recipes:
@@ -86,24 +96,29 @@ def init(output: Path, recipe: Optional[str], list_recipes: bool, model: Optiona
         raise JobgenError(f"-o {output}: {'is a folder' if output.is_dir() else f'there is no folder {output.parent}'}; "
                           "give a file path, e.g. -o job.yaml")
     start = _read_recipe(recipe) if recipe else {}
-    ask = sys.stdin.isatty()  # CI and pipes have no one to answer
+    ask = Answers()
     training = start.get("training", {})
     resources = start.get("resources", {})
     answers = {
-        "model": _answer(model, "--model", "Model (hub name or local folder)", training.get("model"), ask),
-        "data": _answer(data, "--data", "Training data (JSON, JSONL or Parquet file)", training.get("data"), ask),
-        "method": _answer(method, "--method", "Method", training.get("method", "lora"), ask, click.Choice(METHODS)),
-        "nodes": _answer(nodes, "--nodes", "Nodes", resources.get("nodes", 1), ask, click.IntRange(min=1)),
-        "gpus_per_node": _answer(gpus_per_node, "--gpus-per-node", "GPUs per node (0: CPUs)",
-                                 resources.get("gpus_per_node", 8), ask, click.IntRange(0, 64)),
+        "model": ask(model, "--model", "Model (hub name or local folder)", training.get("model")),
+        "data": ask(data, "--data", "Training data (JSON, JSONL or Parquet file)", training.get("data")),
+        "method": ask(method, "--method", "Method", training.get("method", "lora"), click.Choice(METHODS)),
+        "nodes": ask(nodes, "--nodes", "Nodes", resources.get("nodes", 1), click.IntRange(min=1)),
+        "gpus_per_node": ask(gpus_per_node, "--gpus-per-node", "GPUs per node (0: CPUs)",
+                             resources.get("gpus_per_node", 8), click.IntRange(0, 64)),
     }
     from jobgen.job.sites import chosen_site, load_site
 
     site_scheduler = load_site(chosen_site(site)).scheduler
-    if ask and scheduler is None and not site_scheduler:
+    if scheduler is None and not site_scheduler and ask.can_ask:
         from jobgen.schedulers import BUNDLED
 
-        scheduler = click.prompt("Scheduler", default="slurm", type=click.Choice(sorted(BUNDLED)))
+        scheduler = ask(None, "--scheduler", "Scheduler", "slurm", click.Choice(sorted(BUNDLED))) or None
+    answers["partition"] = ask(partition, "--partition", "Partition or queue (empty: the scheduler's default)",
+                               resources.get("partition") or "") or None
+    answers["account"] = ask(account, "--account", "Account to charge (empty: none)", resources.get("account") or "") or None
+    answers["time_limit"] = ask(time_limit, "--time-limit", "Time limit of each segment ([D-]HH:MM:SS)",
+                                resources.get("time_limit", "08:00:00"))
     values = job_values(start, answers, name)
 
     from jobgen.api import Job
@@ -140,7 +155,10 @@ def job_values(start: dict[str, Any], answers: dict[str, Any], name: Optional[st
         training.setdefault(key, value)
     training.update(model=answers["model"], data=answers["data"], method=method)
     resources.update(nodes=answers["nodes"], gpus_per_node=answers["gpus_per_node"])
-    resources.setdefault("time_limit", "08:00:00")
+    for key in ("partition", "account"):
+        if answers.get(key):
+            resources[key] = answers[key]
+    resources["time_limit"] = answers.get("time_limit") or resources.get("time_limit", "08:00:00")
     processes_per_node = answers["gpus_per_node"]
     if processes_per_node == 0:  # CPUs: gloo, one process per node, and no bf16 kernels to count on
         processes_per_node = values.setdefault("launch", {}).setdefault("procs_per_node", 1)
@@ -232,16 +250,43 @@ def _flow(value: Any) -> str:
     raise TypeError(f"not a job file's value: {value!r}")
 
 
-def _answer(given: Any, option: str, question: str, default: Any, ask: bool, kind: Any = None) -> Any:
-    """An option's value; else a question on a terminal; else the recipe's or the default; else an error."""
-    if given is not None:
-        return given
-    if ask:
-        return click.prompt(question, default=default, type=kind)
-    if default is None:
-        raise JobgenError(f"{option} is needed: stdin is not a terminal, so jobgen init asks nothing "
-                          f"(give {option}, or --recipe NAME; --list-recipes shows them)")
-    return default
+class Answers:
+    """Where the answers no option gives come from: a terminal asks; a pipe or a file gives one a
+    line, in the questions' order (an empty line, or its end: the default); anything else (CI's
+    /dev/null, no stdin) gives none."""
+
+    def __init__(self) -> None:
+        self.terminal = sys.stdin is not None and sys.stdin.isatty()
+        self.lines = not self.terminal and _stdin_is_a_pipe_or_file()
+        self.can_ask = self.terminal or self.lines
+
+    def __call__(self, given: Any, option: str, question: str, default: Any, kind: Any = None) -> Any:
+        """An option's value; else an answer; else the recipe's or the default; else an error."""
+        if given is not None:
+            return given
+        if self.terminal:
+            return click.prompt(question, default=default, type=kind)
+        line = sys.stdin.readline().strip() if self.lines else ""
+        if line:
+            try:
+                return kind.convert(line, None, None) if kind is not None else line
+            except click.BadParameter as error:
+                raise JobgenError(f"{option}: the answer {line!r} read from stdin: {error.message}") from None
+        if default is None:
+            where = "stdin gave no answer for it" if self.lines else "stdin is not a terminal, so jobgen init asks nothing"
+            raise JobgenError(f"{option} is needed: {where} (give {option}, or --recipe NAME; --list-recipes shows them)")
+        return default
+
+
+def _stdin_is_a_pipe_or_file() -> bool:
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # no stdin, or a stand-in without a descriptor
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode)
 
 
 def _recipes() -> list[Path]:
@@ -272,8 +317,15 @@ def _global_batch(training: dict[str, Any], processes: int) -> int:
     return training.get("per_device_batch_size", PER_DEVICE_BATCH) * processes * training.get("gradient_accumulation", 1)
 
 
+# Folder names that say what a folder holds, not which model: the folder above names it (tiny/model).
+GENERIC_FOLDERS = re.compile(r"^(model|models|weights|base|hf|final|merged|snapshot|(checkpoint|step)[-_]?\d*)$", re.I)
+
+
 def _default_name(model: str, method: str) -> str:
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model.rstrip("/")).name).strip("-.").lower() or "job"
+    parts = [part for part in Path(model.rstrip("/")).parts if part not in ("/", ".", "..")]
+    while len(parts) > 1 and GENERIC_FOLDERS.match(parts[-1]):
+        parts.pop()
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", parts[-1] if parts else "").strip("-.").lower() or "job"
     return f"{base}-{method}"
 
 
