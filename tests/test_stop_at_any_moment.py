@@ -194,3 +194,34 @@ def test_jobgens_own_commands_are_found_beside_the_python_that_runs_jobgen(tmp_p
     assert "not on PATH" not in done.stdout + done.stderr
     logs = "".join(path.read_text() for path in (tmp_path / "runs" / "beside" / "logs").rglob("*.out"))
     assert "the program ran" in logs, logs
+
+
+def test_jobgen_train_stopped_in_its_start_up_ends_as_a_stop(tmp_path: Path) -> None:
+    # Ctrl-C as soon as the node starts its rank: the trainer is importing torch and DeepSpeed, its
+    # handlers not yet in place; the stop file is read at its first step boundary.
+    from tests.helpers import tiny_model
+
+    tiny_model(tmp_path / "tiny")
+    job = {"name": "train-stop", "resources": {"nodes": 1, "gpus_per_node": 0, "time_limit": "00:10:00"},
+           "launch": {"procs_per_node": 1}, "requeue": {"warning_seconds": WARNING_SECONDS},
+           "training": {"model": "tiny/model", "data": "tiny/data.json", "method": "lora", "precision": "fp32",
+                        "per_device_batch_size": 2, "max_length": 64, "max_steps": 6}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    submit = subprocess.Popen([sys.executable, "-m", "jobgen.cli", "submit", "-s", "local", "job.yaml"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "train-stop"
+    try:
+        deadline = time.monotonic() + 120
+        while not any("starting 1 rank(s)" in path.read_text() for path in (run_dir / "logs").glob("*-node0.out")):
+            assert submit.poll() is None and time.monotonic() < deadline, "node 0 never started its rank"
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        submit.send_signal(signal.SIGINT)
+        output = submit.communicate(timeout=WARNING_SECONDS + 120)[0]
+    finally:
+        submit.kill()
+    segment = [json.loads(line) for line in (run_dir / "segments.jsonl").read_text().splitlines()][-1]
+    assert segment["outcome"] == "interrupted", f"{segment}\n{output}"
+    assert "training failed" not in output, output
+    assert time.monotonic() - stopped < WARNING_SECONDS + 60, output
