@@ -108,6 +108,14 @@ def test_no_scheduler_is_one_line_saying_what_to_pass() -> None:
         job.render()
 
 
+def printed_by(code: str, folder: Path) -> dict:
+    """The JSON that `code`, run by a new Python in `folder` with jobgen's commands on PATH, prints last."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def test_submit_returns_a_run_whose_status_and_cancel_read_the_run_directory(tmp_path: Path) -> None:
     # A program of the job's own, on the local scheduler: a real submission, a second of work.
     code = (
@@ -120,10 +128,7 @@ def test_submit_returns_a_run_whose_status_and_cancel_read_the_run_directory(tmp
         "print(json.dumps({'run': [run.job_id, str(run.run_dir), run.scheduler], 'again': [again.job_id, str(again.run_dir)],\n"
         "    'state': run.state, 'segments': [s['outcome'] for s in report['segments']], 'cancelled': run.cancel()}))\n"
     )
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.splitlines()[-1])
+    found = printed_by(code, tmp_path)
     run_dir = str(tmp_path / "runs" / "api-run")
     assert found["run"][1:] == [run_dir, "local"] and found["again"] == [found["run"][0], run_dir]
     assert found == {**found, "state": "completed", "segments": ["completed"], "cancelled": False}
@@ -147,10 +152,7 @@ def test_wait_returns_how_a_run_ended_and_raises_when_it_did_not_complete(tmp_pa
         "print(json.dumps({'done': done.wait(poll_seconds=0.1), 'state': failed.state, 'status': failed.status()['state'],\n"
         "    'unchecked': failed.wait(check=False), 'raised': raised}))\n"
     )
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.splitlines()[-1])
+    found = printed_by(code, tmp_path)
     run_dir = tmp_path / "runs" / "broken"
     assert found == {"done": "completed", "state": "failed", "status": "failed", "unchecked": "failed",
                      "raised": ["failed", f"job {found['raised'][1].split()[1]} ({run_dir}) ended failed: "
