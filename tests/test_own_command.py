@@ -216,6 +216,11 @@ def test_a_command_not_on_the_node_is_one_line_in_its_log(tmp_path: Path) -> Non
     log = "".join(path.read_text() for path in (tmp_path / "runs" / "own" / "logs").glob("*node0.out"))
     assert "launch.command: 'finetune-not-installed' is not on PATH: give its full path" in log, log
     assert "jobgen: launch.command failed:" in jobgen("logs", str(tmp_path / "runs" / "own")).stdout
+    # Where the user looks: the node's own line on the terminal, last, and in `jobgen status`.
+    said = result.stderr.splitlines()[-1]
+    assert said.startswith("jobgen: node 0 (") and "launch.command: 'finetune-not-installed' is not on PATH" in said, result.stderr
+    status = jobgen("status", str(tmp_path / "runs" / "own")).stdout
+    assert f"failed: {said.removeprefix('jobgen: ')}" in status, status
 
 
 def test_the_trainer_callback_saves_and_stops_at_the_step_a_signal_arrives_in(tmp_path: Path) -> None:

@@ -182,8 +182,11 @@ def submit(
     click.echo(run.job_id)
     if foreground:  # the job has ended: its outcome is the command's
         from jobgen.rundir.run import RunDir
-        from jobgen.rundir.status import foreground_exit_status
+        from jobgen.rundir.status import foreground_exit_status, node_said
 
+        said = node_said(RunDir(run.run_dir), run.job_id)
+        if said:  # a node that ended before its program started said why in its own log only
+            click.echo(f"jobgen: {said}", err=True)
         sys.exit(foreground_exit_status(RunDir(run.run_dir)))
 
 

@@ -5,7 +5,9 @@ where the final model or adapter is, and a probe's result. Read by `jobgen statu
 
 from __future__ import annotations
 
+import glob
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +38,32 @@ def attach_messages(segments: list[dict[str, Any]], run: RunDir) -> list[dict[st
     mine = _segment_of(report, segments) if report else None
     if mine is not None and isinstance(report.get("message"), str) and report["message"]:
         mine["message"] = report["message"]
+    for segment in segments:
+        if segment["outcome"] == "failed" and not segment["message"]:
+            segment["message"] = node_line(run, str(segment["job_id"]))
     return segments
+
+
+# What a node says of itself when it ends before its program starts (node.sh: a command not on
+# PATH, a module that does not load): "jobgen: node N (HOST): ...". Its one other line of that
+# shape only says which interface its sockets use.
+NODE_SAYS = re.compile(r"^jobgen: (node \d+ \([^)]*\): .*)$")
+
+
+def node_line(run: RunDir, job_id: str) -> Optional[str]:
+    """The last thing a node of job `job_id` said of itself before its program started, where one
+    did (its log, RUN_DIR/logs/JOBID-nodeK.out); None where none did."""
+    found = None
+    for log in sorted((run.path / runfiles.LOGS).glob(f"{glob.escape(job_id)}-node*.out")):
+        try:
+            lines = log.read_text(errors="replace").splitlines()[-200:]  # its end: the lines before it stopped
+        except OSError:
+            continue
+        for line in lines:
+            said = NODE_SAYS.match(line)
+            if said and "sockets on" not in line:
+                found = said.group(1)
+    return found
 
 
 def _segment_of(report: dict[str, Any], segments: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -167,15 +194,17 @@ def probe_result(run: RunDir, segments: list[dict[str, Any]]) -> dict[str, Any]:
     return {"outcome": last["outcome"], "message": message}
 
 
-def failure_lines(run_dir: str, segments: list[dict[str, Any]]) -> list[str]:
-    """One line per failed segment: the trainer's reason, or where to read it."""
+def failure_lines(run_dir: str, segments: list[dict[str, Any]], own_program: bool = False) -> list[str]:
+    """One line per failed segment: the trainer's reason, a node's own, or where to read it."""
     lines = []
     for segment in segments:
         if segment["outcome"] != "failed":
             continue
-        reason = segment.get("message") or (
-            f"the trainer's report is gone or was never written: see {run_dir}/{runfiles.batch_log(segment['job_id'])}"
-        )
+        if own_program:  # it writes no report: its own output is where it says why
+            where = f"the program's output is in {run_dir}/{runfiles.node_log(segment['job_id'], '*')}"
+        else:
+            where = f"the trainer's report is gone or was never written: see {run_dir}/{runfiles.batch_log(segment['job_id'])}"
+        reason = segment.get("message") or where
         lines.append(f"job {segment['job_id']} restart {segment['restart']} failed: {reason}")
     return lines
 
@@ -183,7 +212,7 @@ def failure_lines(run_dir: str, segments: list[dict[str, Any]]) -> list[str]:
 def format_lines(report: dict[str, Any]) -> list[str]:
     """What `jobgen status` prints under the segments: failures, the last loss, the final model,
     or a probe's result."""
-    lines = failure_lines(report["run_dir"], report["segments"]) if report.get("probe") is None else []
+    lines = failure_lines(report["run_dir"], report["segments"], bool(report.get("own_command"))) if report.get("probe") is None else []
     if report.get("own_command"):
         lines.append(f"own program ({OWN_COMMAND}) {report['own_command']}")
     if report.get("step") is not None:

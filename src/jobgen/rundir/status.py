@@ -279,6 +279,15 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def node_said(run: RunDir, job_id: str) -> Optional[str]:
+    """Where job `job_id`'s last segment failed and a node said why before its program started,
+    that line (jobgen.rundir.outcome.node_line); else None."""
+    from jobgen.rundir.outcome import node_line
+
+    segments = [s for s in pair_segments(run.segments()) if str(s["job_id"]) == job_id]
+    return node_line(run, job_id) if segments and segments[-1]["outcome"] == "failed" else None
+
+
 def foreground_exit_status(run: RunDir) -> int:
     """0 when the last segment of a job run in the foreground completed, else 1."""
     segments = pair_segments(run.segments())
