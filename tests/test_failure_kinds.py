@@ -53,7 +53,8 @@ def test_a_setup_line_exiting_75_is_a_node_failure_that_names_and_excludes_the_n
     assert (run_dir / "excluded-nodes").read_text().split() == [host]
     # Each node says so in a file of its own (appends of several nodes to one file can be lost on NFS).
     assert [(p.name, p.read_text()) for p in (run_dir / "node-exits").iterdir()] == [("1", f"75 {host}\n")]
-    assert f"excluded nodes (after failures attributed to them): {host}" in jobgen("status", str(run_dir)).stdout
+    assert (f"failures attributed to (a local run's nodes are all this machine: not kept out): {host}"
+            in jobgen("status", str(run_dir)).stdout)
 
 
 def test_a_setup_line_exiting_79_says_do_not_requeue(tmp_path: Path) -> None:

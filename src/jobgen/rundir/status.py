@@ -269,7 +269,11 @@ def format_table(report: dict[str, Any]) -> str:
     else:
         lines.append("no segment has started yet")
     if report.get("excluded_nodes"):
-        lines.append(f"excluded nodes (after failures attributed to them): {', '.join(report['excluded_nodes'])}")
+        local = bool(report["submissions"]) and report["submissions"][-1].get("scheduler") == "local"
+        # A local run's nodes are all this machine, which its next submit uses all the same.
+        what = "failures attributed to (a local run's nodes are all this machine: not kept out)" if local else \
+            "excluded nodes (after failures attributed to them)"
+        lines.append(f"{what}: {', '.join(report['excluded_nodes'])}")
     if interrupted := cost.format_lines(report.get("interruptions") or []):
         lines.extend(["", *interrupted])
     if outcome := format_lines(report):
