@@ -178,12 +178,12 @@ def test_validate_checks_for_the_site_profiles_scheduler_unless_given_another(tm
     assert_refused(result, f"extra_directives: '#SBATCH -t 60' conflicts with the generated '{TIME}'; "
                            "set resources.time_limit instead")
     fixed = jobgen("validate", config, "--site", str(site), "--set", "extra_directives=[]", cwd=tmp_path)
-    assert fixed.returncode == 0 and fixed.stdout.rstrip().endswith("; checked for slurm"), fixed.stderr
+    assert fixed.returncode == 0 and fixed.stdout.splitlines()[0].endswith("; checked for slurm"), fixed.stderr
     # --scheduler wins over the profile's; a PBS script leaves Slurm's directives out.
     pbs = jobgen("validate", "-s", "pbs", config, "--site", str(site), cwd=tmp_path)
-    assert pbs.returncode == 0 and pbs.stdout.rstrip().endswith("; checked for pbs"), pbs.stderr
+    assert pbs.returncode == 0 and pbs.stdout.splitlines()[0].endswith("; checked for pbs"), pbs.stderr
     plain = jobgen("validate", config, "--site", "none", cwd=tmp_path)
-    assert plain.returncode == 0 and plain.stdout.rstrip().endswith("; not checked against a scheduler (give --scheduler)")
+    assert plain.returncode == 0 and plain.stdout.splitlines()[0].endswith("; not checked against a scheduler (give --scheduler)")
 
 
 def test_validate_refuses_a_launcher_the_scheduler_cannot_use(tmp_path: Path) -> None:
