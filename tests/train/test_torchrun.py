@@ -263,4 +263,4 @@ def test_after_a_stop_a_node_does_not_wait_300_s_at_the_exit_barrier_for_a_node_
             node.kill()
     took = time.monotonic() - started
     assert nodes[0].returncode == 0 and nodes[1].returncode == 1, outputs
-    assert took < 45, f"node 0 ended {took:.0f} s after it started:\n{outputs[0]}"
+    assert took < 120, f"node 0 ended {took:.0f} s after it started:\n{outputs[0]}"
