@@ -12,7 +12,7 @@ from pathlib import Path
 import jobgen
 
 PACKAGE = Path(jobgen.__file__).parent
-SHARED = {"jobgen", "jobgen.errors", "jobgen.files", "jobgen.resources", "jobgen.plugins"}
+SHARED = {"jobgen", "jobgen.errors", "jobgen.files", "jobgen.resources", "jobgen.plugins", "jobgen.parent_death"}
 # The run directory's file names: the run directory's own, and the vocabulary the schedulers, the
 # templates and the trainer write it with; names only, importing nothing of jobgen.
 NAMES = "jobgen.rundir.files"

@@ -16,7 +16,8 @@ it (tests/test_layout.py checks every import, lazy ones included):
     cli/         the `jobgen` command, one module per command group
 
 Below them all, shared by every part: `errors` (one-line errors for people), `files` (atomic
-writes), `resources` (where the bundled templates and configs are), `plugins` (entry points).
+writes), `resources` (where the bundled templates and configs are), `plugins` (entry points),
+`parent_death` (a process that ends with its parent).
 """
 
 __version__ = "0.1.0"

@@ -38,9 +38,6 @@ def attach_messages(segments: list[dict[str, Any]], run: RunDir) -> list[dict[st
     mine = _segment_of(report, segments) if report else None
     if mine is not None and isinstance(report.get("message"), str) and report["message"]:
         mine["message"] = report["message"]
-    for segment in segments:
-        if segment["outcome"] == "failed" and not segment["message"]:
-            segment["message"] = node_line(run, str(segment["job_id"]))
     return segments
 
 
@@ -56,7 +53,7 @@ def node_line(run: RunDir, job_id: str) -> Optional[str]:
     found = None
     for log in sorted((run.path / runfiles.LOGS).glob(f"{glob.escape(job_id)}-node*.out")):
         try:
-            lines = log.read_text(errors="replace").splitlines()[-200:]  # its end: the lines before it stopped
+            lines = _tail(log).splitlines()  # its end: the lines before it stopped (a node log may be large)
         except OSError:
             continue
         for line in lines:
@@ -194,6 +191,12 @@ def probe_result(run: RunDir, segments: list[dict[str, Any]]) -> dict[str, Any]:
     return {"outcome": last["outcome"], "message": message}
 
 
+def _tail(path: Path, size: int = 65536) -> str:
+    with path.open("rb") as handle:
+        handle.seek(max(0, handle.seek(0, 2) - size))
+        return handle.read().decode(errors="replace")
+
+
 def failure_lines(run_dir: str, segments: list[dict[str, Any]], own_program: bool = False) -> list[str]:
     """One line per failed segment: the trainer's reason, a node's own, or where to read it."""
     lines = []
@@ -204,7 +207,9 @@ def failure_lines(run_dir: str, segments: list[dict[str, Any]], own_program: boo
             where = f"the program's output is in {run_dir}/{runfiles.node_log(segment['job_id'], '*')}"
         else:
             where = f"the trainer's report is gone or was never written: see {run_dir}/{runfiles.batch_log(segment['job_id'])}"
-        reason = segment.get("message") or where
+        # Without the trainer's line, the node's own, where one ended before its program started:
+        # read here, where it is shown, not for every reader of the segments (`jobgen runs`).
+        reason = segment.get("message") or node_line(RunDir(Path(run_dir)), str(segment["job_id"])) or where
         lines.append(f"job {segment['job_id']} restart {segment['restart']} failed: {reason}")
     return lines
 

@@ -14,26 +14,13 @@ the job's own decides its own length and is not judged here.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 from jobgen.job.models import Job
 from jobgen.rundir.metrics import output_dir
-from jobgen.rundir.rewind import CHECKPOINTS, COMPLETE, STEP
+from jobgen.rundir.rewind import complete_steps
 from jobgen.rundir.run import RunDir
 from jobgen.rundir.status import pair_segments
-
-
-def newest_complete_step(output: Path) -> Optional[int]:
-    """The step of the newest complete checkpoint in OUTPUT/checkpoints; None before the first."""
-    folder = output / CHECKPOINTS
-    try:
-        names = [entry.name for entry in folder.iterdir()]
-    except OSError:
-        return None
-    steps = [int(m.group(1)) for m in map(STEP.match, names)
-             if m and m.group(0).startswith("step-") and (folder / m.group(0) / COMPLETE).exists()]
-    return max(steps, default=None)
 
 
 def length_words(training: dict[str, Any]) -> str:
@@ -52,9 +39,10 @@ def refusal(run: RunDir, job: Job) -> Optional[str]:
     trained = before.get("training") if isinstance(before.get("training"), dict) else None
     if trained is None:
         return None  # a first submission, or a run of a program of the job's own until now
-    step = newest_complete_step(output_dir(run.path, {"training": {"output_dir": job.training.output_dir}}))
-    if step is None:
+    steps = complete_steps(output_dir(run.path, {"training": {"output_dir": job.training.output_dir}}))
+    if not steps:
         return None
+    step = steps[-1]
     now = job.training.model_dump()
     same_length = length_words(trained) == length_words(now)
     decaying = job.training.lr_schedule != "constant" and trained.get("lr_schedule", "cosine") != "constant"

@@ -35,13 +35,19 @@ def chosen_step(output: Path, choice: str) -> int:
     checkpoints; JobgenError naming the option, the value and those it could be."""
     match = STEP.match(Path(choice).name)
     folder = output / CHECKPOINTS
-    complete = sorted(int(m.group(1)) for m in map(STEP.match, _names(folder))
-                      if m and (folder / m.group(0) / COMPLETE).exists() and m.group(0).startswith("step-"))
+    complete = complete_steps(output)
     have = ", ".join(f"step-{s:06d}" for s in complete) or "none"
     if match is None or int(match.group(1)) not in complete:
         raise JobgenError(f"--resume-from: {choice!r} is not a complete checkpoint of this run in {folder} "
                           f"(it has: {have}); give one of them")
     return int(match.group(1))
+
+
+def complete_steps(output: Path) -> list[int]:
+    """The steps of the run's complete checkpoints (OUTPUT/checkpoints/step-N with COMPLETE), in order."""
+    folder = output / CHECKPOINTS
+    return sorted(int(m.group(1)) for m in map(STEP.match, _names(folder))
+                  if m and m.group(0).startswith("step-") and (folder / m.group(0) / COMPLETE).exists())
 
 
 def set_aside_after(output: Path, step: int, dry_run: bool = False) -> list[Path]:

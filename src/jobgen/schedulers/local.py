@@ -8,7 +8,6 @@ queue to ask whether a job lives: its processes are, found by the job id in thei
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,12 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from jobgen.errors import JobgenError
+from jobgen.parent_death import signal_when_the_parent_dies
 from jobgen.job.models import Job
 from jobgen.rundir import files as runfiles
 from jobgen.schedulers.base import JobEnvironment, Scheduler
 from jobgen.schedulers.state import JobState
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def local_job_id(seconds: int, pid: int) -> str:
@@ -93,11 +91,9 @@ def path_with_jobgens_commands(path: str) -> str:
 
 
 def terminate_when_the_parent_dies() -> None:
-    """In the job's script, before it runs (Linux): SIGTERM when `jobgen submit` dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed `jobgen submit` leaves its job running, as before
+    """In the job's script, before it runs: SIGTERM when `jobgen submit` dies (where Linux can say
+    so; elsewhere a killed `jobgen submit` leaves its job running, as before)."""
+    signal_when_the_parent_dies(signal.SIGTERM)
 
 
 def job_processes(job_id: str) -> dict[int, int]:

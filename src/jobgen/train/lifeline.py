@@ -10,12 +10,11 @@ changes nothing for a checkpoint written at a stop signal.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
-PR_SET_PDEATHSIG = 1
+from jobgen.parent_death import signal_when_the_parent_dies
 
 
 def die_with_torchrun() -> None:
@@ -23,11 +22,7 @@ def die_with_torchrun() -> None:
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
+    if not signal_when_the_parent_dies(signal.SIGKILL):
         return
     if os.getppid() != parent:  # torchrun died before the call: nothing would signal this rank
         os.kill(os.getpid(), signal.SIGKILL)

@@ -61,7 +61,7 @@ from typing import Optional
 # At the top, not inside record_node_end: it runs in a signal handler too, where an import may
 # meet one the main thread has half done (under OpenPBS's preemption the record once raised there).
 from jobgen.files import replace_atomically
-from jobgen.rundir.files import NODE_END_LOOKS, node_end, node_end_folder
+from jobgen.rundir.files import NODE_END_LOOKS, STOP_REQUESTED, node_end, node_end_folder
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 # How long the exit barrier waits for the other nodes once the ranks were asked to stop: they left
@@ -191,9 +191,8 @@ class StopFileForwarder:
         self._stop = threading.Event()
 
     @classmethod
-    def from_env(cls) -> "StopFileForwarder | None":
-        from jobgen.rundir.files import STOP_REQUESTED
-
+    def from_env(cls, grace: Optional[int]) -> "StopFileForwarder | None":
+        """From JOBGEN_STOP_SIGNAL and JOBGEN_RUN_DIR; `grace`: TORCH_ELASTIC_SHUTDOWN_TIMEOUT's (None: 30 s)."""
         name, run_dir = os.environ.get(STOP_SIGNAL_ENV, "").strip(), os.environ.get("JOBGEN_RUN_DIR")
         if not name or not run_dir:
             return None
@@ -201,7 +200,6 @@ class StopFileForwarder:
             signum = signal.Signals["SIG" + name.removeprefix("SIG")]
         except KeyError:
             sys.exit(f"jobgen-torchrun: {STOP_SIGNAL_ENV}={name!r}: expected a signal name such as TERM or USR1")
-        grace = shutdown_timeout_from_env()
         return cls(os.path.join(run_dir, STOP_REQUESTED), signum, grace=30.0 if grace is None else grace)
 
     def start(self) -> "StopFileForwarder":
@@ -415,8 +413,6 @@ def run() -> None:
 
     from jobgen.train.heartbeat import Supervisor
 
-    from jobgen.rundir.files import STOP_REQUESTED
-
     if os.environ.get("JOBGEN_RUN_DIR"):
         NODE_STOP.stop_file = os.path.join(os.environ["JOBGEN_RUN_DIR"], STOP_REQUESTED)
     grace = shutdown_timeout_from_env()
@@ -428,7 +424,7 @@ def run() -> None:
     supervisor = Supervisor.from_env()  # before the ranks start: they inherit its folder
     if supervisor is not None:
         supervisor.start()
-    forwarder = StopFileForwarder.from_env()
+    forwarder = StopFileForwarder.from_env(grace)
     if forwarder is not None:
         forwarder.start()
         sys.argv = with_rank_logs(sys.argv)
