@@ -51,15 +51,30 @@ trainer.train(resume_from_checkpoint=resume)
 # (one all-reduce: the signal reaches them at different moments), rank 0 saves model, optimizer
 # and step into checkpoint-N, COMPLETE last, and every rank exits 0. A step's batch is drawn from
 # (step, rank), so a resumed run sees the batches an uninterrupted one would.
+# The stop tests hold it in each phase of its life and wait for the phase's marker: OUT/PHASE-R
+# gets a line each time rank R enters it: started (before torch is imported: no handler yet),
+# handler, saving (rank 0 inside a save, SAVE_DELAY s long), exiting (its steps done and not
+# stopped, the default action of SIGTERM back, as Python's finalization puts it, then EXIT_DELAY s
+# of teardown); a step done is a line of steps.jsonl. NAME_R delays rank R alone. SAVE_EVERY saves
+# every so many steps too (0: only at a stop); STEPS is how many it trains.
 PLAIN_DDP = r'''import json, os, signal, sys, time
-
+out, rank = sys.argv[1], int(os.environ["RANK"])
+def mark(phase):
+    with open(os.path.join(out, f"{phase}-{rank}"), "a") as marker:
+        marker.write("\n")
+def wait(name):
+    time.sleep(float(os.environ.get(f"{name}_{rank}", os.environ.get(name, "0"))))
+mark("started")
+wait("START_DELAY")
 import torch
 import torch.distributed as dist
 
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
+mark("handler")
+wait("INIT_DELAY")
 dist.init_process_group("gloo")
-rank, world, out = dist.get_rank(), dist.get_world_size(), sys.argv[1]
+world = dist.get_world_size()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -70,7 +85,9 @@ if "--resume" in sys.argv:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     start = state["step"]
-for step in range(start + 1, 13):
+every = int(os.environ.get("SAVE_EVERY", "0"))
+asked = torch.tensor([0])
+for step in range(start + 1, int(os.environ.get("STEPS", "12")) + 1):
     batch = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(8, 16, generator=batch)
     loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
@@ -82,18 +99,23 @@ for step in range(start + 1, 13):
     if rank == 0:
         with open(os.path.join(out, "steps.jsonl"), "a") as log:
             log.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
-    time.sleep(float(os.environ.get("STEP_DELAY", "0")))
+    wait("STEP_DELAY")
     asked = torch.tensor([1 if stop else 0])
     dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    if asked.item():
+    if asked.item() or (every and step % every == 0):
         if rank == 0:
+            mark("saving")
+            # exist_ok: a save a stop cut short left its folder, without COMPLETE, to be done again.
             folder = os.path.join(out, f"checkpoint-{step}")
-            os.makedirs(folder)
+            os.makedirs(folder, exist_ok=True)
+            wait("SAVE_DELAY")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                        os.path.join(folder, "state.pt"))
             open(os.path.join(folder, "COMPLETE"), "w").close()
-            print(f"rank 0: SIGTERM: saved checkpoint-{step}", flush=True)
+            if asked.item():
+                print(f"rank 0: SIGTERM: saved checkpoint-{step}", flush=True)
         dist.barrier()
+    if asked.item():
         break
 # Every rank past its last collective, then out without torch's teardown of gloo: that teardown
 # aborted now and then ("terminate called without an active exception", SIGABRT), with the group
@@ -101,9 +123,27 @@ for step in range(start + 1, 13):
 # and jobgen rightly calls a rank killed by a signal a failure of the program (a program that does so
 # is tests/test_slurm_own_command.py's ABORT_AFTER_LAST_STEP); this one is about resuming.
 dist.barrier()
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+if not asked.item():  # its steps done, not stopped: the teardown a stop can still meet
+    mark("exiting")
+    wait("EXIT_DELAY")
 sys.stdout.flush()
 os._exit(0)
 '''
+# The plain program's run is preempted once at each moment of its life, a segment each: before
+# its first step (its SIGTERM handler not yet in place), mid-step, inside a save, and while it
+# exits (its handler put back to the default). The scheduler signals every process of the job at
+# once; before, a stop at the first or the last moment killed a rank and the job ended FAILED.
+# The marker each waits for (OUT/PHASE-0 gains a line; steps.jsonl a step).
+PREEMPTED_AT = (("before its first step", "started-0"), ("mid-step", "steps.jsonl"),
+                ("inside a save", "saving-0"), ("while it exits", "exiting-0"))
+HELD_IN_EACH_PHASE = {"START_DELAY": 3, "SAVE_EVERY": 3, "SAVE_DELAY": 4, "EXIT_DELAY": 10}
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 # What each script needs in launch besides command and checkpoints (out/checkpoint-*).
 SCRIPTS = {
     "hf-trainer": (FINETUNE, {"resume_argument": "--resume_from_checkpoint {checkpoint}"}),

@@ -40,6 +40,7 @@ def test_a_lora_run_merged_gives_the_peft_models_logits_and_loads_without_peft(s
     exported = jobgen("export", str(run), "--merge", "-o", str(out), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert exported.stderr.splitlines()[-1] == f"jobgen: exported {base} with the adapter merged in: {out}"
+    assert "accelerator" not in exported.stdout + exported.stderr  # DeepSpeed's import line is not for the user
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / "adapter_config.json").exists()
     # Made to be shared: every file and folder as the user's umask makes them (was -rw------- once).

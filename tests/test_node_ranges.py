@@ -68,3 +68,13 @@ def test_node_counts_and_ranges_are_read_as_written(tmp_path, nodes, expected):
 def test_a_node_count_that_is_neither_a_count_nor_a_range_is_refused(tmp_path, nodes):
     result = jobgen("render", "-s", "slurm", str(_job(tmp_path, nodes, global_batch_size=48)))
     assert result.returncode != 0 and "resources.nodes" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["pbs", "torque"])
+def test_a_node_range_is_refused_for_pbs_and_torque_before_its_batch_split(tmp_path, scheduler):
+    # Fixing the batch for the range first would be for nothing: the scheduler cannot run a range.
+    result = jobgen("validate", "-s", scheduler, str(_job(tmp_path, "2-4")))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"jobgen: error: resources.nodes: {scheduler} cannot take a range (2-4); give one "
+                                     "count, such as 2 (ranges are Slurm's --nodes=MIN-MAX)")
+    assert jobgen("render", "-s", scheduler, str(_job(tmp_path, "3-3", global_batch_size=48))).returncode == 0

@@ -20,18 +20,18 @@ import yaml
 
 from tests.cluster.pbs_servers import PbsServer
 from tests.test_pbs_servers import finished, logs, status, submit, tiny, wait_for  # noqa: F401 - tiny is a fixture
-from tests.own_scripts import SCRIPTS, command, logged, write_script
+from tests.own_scripts import HELD_IN_EACH_PHASE, PREEMPTED_AT, SCRIPTS, command, lines, logged, write_script
 
 MAX_STEPS = 12
 
 
-def own_job(name: str, script: str, tiny: Path, setup: list[str], step_delay: float) -> dict:
+def own_job(name: str, script: str, tiny: Path, setup: list[str], step_delay: float, **variables) -> dict:
     return {
         "name": f"jobgen-test-{name}",
         "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
         "launch": {"procs_per_node": 1, "command": command(script, tiny), "checkpoints": "out/checkpoint-*", **SCRIPTS[script][1]},
-        "environment": {"setup": setup, "variables": {"STEP_DELAY": step_delay}},
-        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+        "environment": {"setup": setup, "variables": {"STEP_DELAY": step_delay, **variables}},
+        "requeue": {"max_restarts": 5, "warning_seconds": 30},
     }
 
 
@@ -52,9 +52,29 @@ def start_reference_run(folder: Path, script: str, tiny: Path) -> Callable[[], l
     return ended
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+def preempt(server: PbsServer, folder: Path) -> None:
+    """An express-queue job that needs every CPU of every vnode: the scheduler requeues the workq
+    job to run it."""
+    preemptor = subprocess.run([str(server.bin / "qsub"), "-q", server.express_queue, "-N", "jobgen-test-preemptor",
+                                "-l", "select=4:ncpus=4", "-j", "oe", "-o", "/dev/null", "--", "/bin/sleep", "3"],
+                               cwd=folder, capture_output=True, text=True, env={**os.environ, "PATH": f"{server.bin}:/usr/bin:/bin"})
+    assert preemptor.returncode == 0, preemptor.stderr
+
+
+def rerun(server: PbsServer, folder: Path, job_id: str) -> None:
+    """`qrerun`, as root (a manager): what the scheduler's preemption by requeue does to the job
+    (SIGTERM to every process of it, SIGKILL after kill_delay, the job queued again), at once; the
+    express-queue preemptor waits for a scheduling cycle, seconds too many to meet a moment."""
+    done = subprocess.run([str(server.bin / "qrerun"), job_id], cwd=folder, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{server.bin}:/usr/bin:/bin"})
+    # qrerun waits for the job to end, and a job that takes its stop's grace outlasts its client:
+    # "Response timed out. Job rerun request still in progress" is a rerun under way.
+    assert done.returncode == 0 or "rerun request still in progress" in done.stderr, done.stderr
+
+
 def test_openpbs_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(
-        openpbs: PbsServer, tiny: Path, tmp_path: Path, script: str) -> None:
+        openpbs: PbsServer, tiny: Path, tmp_path: Path) -> None:
+    script = "hf-trainer"
     reference_ended = start_reference_run(tmp_path / "reference", script, tiny)
     folder = openpbs.folder(f"{script}-preempt")
     write_script(folder, script)
@@ -63,11 +83,7 @@ def test_openpbs_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and
     job_id = submit(openpbs, folder, job, "jobgen-submit")
     run_dir = folder / "runs" / job["name"]
     wait_for(lambda: any(entry["step"] >= 3 for entry in logged(folder)), "step 3", timeout=300)
-    # It needs every CPU of every vnode: the scheduler requeues the workq job to run it.
-    preemptor = subprocess.run([str(openpbs.bin / "qsub"), "-q", openpbs.express_queue, "-N", "jobgen-test-preemptor",
-                                "-l", "select=4:ncpus=4", "-j", "oe", "-o", "/dev/null", "--", "/bin/sleep", "3"],
-                               cwd=folder, capture_output=True, text=True, env={**os.environ, "PATH": f"{openpbs.bin}:/usr/bin:/bin"})
-    assert preemptor.returncode == 0, preemptor.stderr
+    preempt(openpbs, folder)
     fields = finished(openpbs, job_id)
     log = logs(openpbs, folder, run_dir)
     assert (fields["Exit_status"], fields["run_count"]) == ("0", "2"), log
@@ -85,3 +101,42 @@ def test_openpbs_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and
     everything = "".join(p.read_text() for p in (run_dir / "logs").rglob("*.out"))
     assert "Traceback" not in everything, everything
     print(f"preempted at step {first['last_step']}; final loss {reference[-1]['loss']} in both")
+
+
+def test_openpbs_a_script_of_the_users_preempted_at_each_moment_of_its_life_is_rerun_every_time_and_ends_as_an_uninterrupted_run(
+        openpbs: PbsServer, tiny: Path, tmp_path: Path) -> None:
+    # OpenPBS's rerun sends SIGTERM to every process of the job at once, then SIGKILL after
+    # kill_delay: the plain program meets it before its first step (no handler yet), mid-step,
+    # inside a save and while it exits (its handler put back to the default), a segment each;
+    # every one a stop, the job run again, and the run as an uninterrupted one's.
+    script = "plain-ddp"
+    reference_ended = start_reference_run(tmp_path / "reference", script, tiny)
+    folder = openpbs.folder(f"{script}-moments")
+    write_script(folder, script)
+    shutil.chown(folder / "out", openpbs.user, openpbs.user)
+    job = own_job(f"{script}-moments", script, tiny, [f"source {openpbs.venv}/bin/activate"], step_delay=1,
+                  **HELD_IN_EACH_PHASE)
+    job_id = submit(openpbs, folder, job, "jobgen-submit")
+    run_dir = folder / "runs" / job["name"]
+    ended = lambda: [line for line in (run_dir / "segments.jsonl").read_text().splitlines() if '"outcome"' in line] \
+        if (run_dir / "segments.jsonl").exists() else []  # noqa: E731
+    for number, (moment, marker) in enumerate(PREEMPTED_AT, start=1):
+        # Counted once the segment before has ended: the next one's marks are the new lines.
+        wait_for(lambda: len(ended()) >= number - 1, f"segment {number - 1} to end", timeout=300)
+        before = lines(folder / "out" / marker)
+        wait_for(lambda: lines(folder / "out" / marker) > before, f"{moment} ({marker}), segment {number}", timeout=300,
+                 every=0.2)
+        rerun(openpbs, folder, job_id)
+    fields = finished(openpbs, job_id)
+    log = logs(openpbs, folder, run_dir)
+    assert (fields["Exit_status"], fields["run_count"]) == ("0", str(len(PREEMPTED_AT) + 1)), log
+
+    ends = status(openpbs, folder, job_id)["segments"]
+    assert [end["outcome"] for end in ends] == ["preempted"] * len(PREEMPTED_AT) + ["completed"], (ends, log)
+    assert "launch.command failed" not in log and "was killed by SIGTERM" not in log, log
+    for before, after in zip(ends, ends[1:]):
+        assert after["first_step"] == (before["last_step"] or 0), (before, after)
+    assert [entry["step"] for entry in logged(folder)] == list(range(1, MAX_STEPS + 1))
+    reference = reference_ended()
+    assert logged(folder)[-1]["loss"] == reference[-1]["loss"]
+    print(f"preempted at steps {[end['last_step'] for end in ends[:-1]]}; final loss {reference[-1]['loss']} in both")

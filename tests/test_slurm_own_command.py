@@ -18,14 +18,14 @@ import pytest
 import yaml
 
 from tests.helpers import jobgen, tiny_model
-from tests.own_scripts import SCRIPTS, command, logged, write_script
+from tests.own_scripts import HELD_IN_EACH_PHASE, PREEMPTED_AT, SCRIPTS, command, lines, logged, write_script
 from tests.test_slurm_requeue import (VENV_PATH, preempt_nodes_of, release_when_requeued, segments,
                                       wait_for, wait_until_done)
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 
-def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -> tuple[str, Path]:
+def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float, **variables) -> tuple[str, Path]:
     folder.mkdir(parents=True)
     write_script(folder, script)
     job = {
@@ -35,8 +35,8 @@ def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -
                    **SCRIPTS[script][1]},
         # The Trainer's data comes from 2 DataLoader worker processes, which Slurm's preemption
         # signals as it does every process of the job's steps.
-        "environment": {"variables": {"STEP_DELAY": step_delay, "EXTRA_ARGS": '{"dataloader_num_workers": 2}'}},
-        "requeue": {"max_restarts": 3, "warning_seconds": 30},
+        "environment": {"variables": {"STEP_DELAY": step_delay, "EXTRA_ARGS": '{"dataloader_num_workers": 2}', **variables}},
+        "requeue": {"max_restarts": 5, "warning_seconds": 30},
     }
     (folder / "job.yaml").write_text(yaml.safe_dump(job))
     out = subprocess.run([sys.executable, "-m", "jobgen.cli", "submit", "-s", "slurm", "job.yaml"], cwd=folder,
@@ -45,8 +45,8 @@ def start(folder: Path, script: str, tiny: Path, name: str, step_delay: float) -
     return out.stdout.strip(), folder / "runs" / f"jobgen-test-{name}"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path: Path, script: str) -> None:
+def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    script = "hf-trainer"
     tiny = tmp_path / "tiny"
     tiny_model(tiny)
     # The uninterrupted run beside the one to preempt, on the partition's two other nodes; the
@@ -74,6 +74,37 @@ def test_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as
     status = jobgen("status", str(run_dir)).stdout
     assert "own program (launch.command)" in status
     print(f"preempted at step {first['last_step']}; final loss {reference[-1]['loss']} in both")
+
+
+def test_a_script_of_the_users_preempted_at_each_moment_of_its_life_is_requeued_every_time_and_ends_as_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    script = "plain-ddp"
+    reference_id, _ = start(tmp_path / "reference", script, tmp_path, f"{script}-reference", step_delay=0)
+    job_id, run_dir = start(tmp_path / "preempted", script, tmp_path, f"{script}-preempt", step_delay=1,
+                            **HELD_IN_EACH_PHASE)
+    out = tmp_path / "preempted" / "out"
+    for restarts, (moment, marker) in enumerate(PREEMPTED_AT, start=1):
+        # Counted while the job waits in the queue: its next segment's marks are the new lines.
+        before = lines(out / marker)
+        wait_for(lambda: lines(out / marker) > before, f"{moment} ({marker}), segment {restarts}", timeout=240)
+        preempt_nodes_of(job_id)
+        release_when_requeued(job_id, restarts=restarts)
+    assert wait_until_done(job_id, timeout=300) == "COMPLETED"
+    assert wait_until_done(reference_id, timeout=300) == "COMPLETED"
+
+    ends = segments(run_dir)
+    log = jobgen("logs", str(run_dir)).stdout
+    assert [end["outcome"] for end in ends] == ["preempted"] * len(PREEMPTED_AT) + ["completed"], (ends, log)
+    assert "launch.command failed" not in log and "was killed by SIGTERM" not in log, log
+    # Each segment from the one before's newest complete checkpoint: no step lost, none twice.
+    for before, after in zip(ends, ends[1:]):
+        assert after["first_step"] == (before["last_step"] or 0), (before, after)
+    steps = [entry["step"] for entry in logged(tmp_path / "preempted")]
+    assert steps == list(range(1, 13)), steps
+    reference = logged(tmp_path / "reference")
+    assert [entry["step"] for entry in reference] == list(range(1, 13))
+    assert logged(tmp_path / "preempted")[-1]["loss"] == reference[-1]["loss"]
+    print(f"preempted at steps {[end['last_step'] for end in ends[:-1]]}; final loss {reference[-1]['loss']} in both")
 
 
 # A program whose rank 1 dies by a signal after its last step, as torch can abort in gloo's

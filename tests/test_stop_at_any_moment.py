@@ -25,69 +25,10 @@ import pytest
 import yaml
 
 from jobgen.schedulers.local import job_processes
+from tests.own_scripts import write_script
 
 WARNING_SECONDS = 30
 STEPS = 6
-
-# Trains STEPS steps of a tiny model with DDP on gloo; saves out/checkpoint-N (COMPLETE last) every
-# third step and at a stop; writes a marker file as it enters each phase, which the test waits for:
-# started-R (before torch is imported: no handler yet), steps.jsonl (a step done), saving-N (rank 0
-# inside a save, SAVE_DELAY s long), exiting-R (its steps done, the default action of SIGTERM back,
-# as Python's finalization puts it, then EXIT_DELAY s of teardown).
-PHASED_DDP = r'''import json, os, signal, sys, time
-out, rank = sys.argv[1], int(os.environ["RANK"])
-def mark(name):
-    open(os.path.join(out, name), "a").close()
-def wait(name):
-    time.sleep(float(os.environ.get(f"{name}_{rank}", os.environ.get(name, "0"))))
-mark(f"started-{rank}")
-wait("START_DELAY")
-import torch
-import torch.distributed as dist
-stop = []
-signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
-mark(f"handler-{rank}")
-wait("INIT_DELAY")
-dist.init_process_group("gloo")
-world = dist.get_world_size()
-torch.manual_seed(0)
-model = torch.nn.Linear(8, 1)
-ddp = torch.nn.parallel.DistributedDataParallel(model)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-start = 0
-if "--resume" in sys.argv:
-    state = torch.load(os.path.join(sys.argv[sys.argv.index("--resume") + 1], "state.pt"))
-    model.load_state_dict(state["model"])
-    start = state["step"]
-for step in range(start + 1, STEPS + 1):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
-    loss = ddp(x).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    if rank == 0:
-        with open(os.path.join(out, "steps.jsonl"), "a") as log:
-            log.write(json.dumps({"step": step}) + "\n")
-    wait("STEP_DELAY")
-    asked = torch.tensor([1 if stop else 0])
-    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    if step % 3 == 0 or asked.item():
-        if rank == 0:
-            mark(f"saving-{step}")
-            folder = os.path.join(out, f"checkpoint-{step}")
-            os.makedirs(folder, exist_ok=True)
-            wait("SAVE_DELAY")
-            torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "state.pt"))
-            open(os.path.join(folder, "COMPLETE"), "w").close()
-        dist.barrier()
-    if asked.item():
-        break
-dist.barrier()
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
-mark(f"exiting-{rank}")
-wait("EXIT_DELAY")
-os._exit(0)
-'''.replace("STEPS + 1", str(STEPS + 1))
 
 # Each moment: the marker the stop waits for, and the delays (NAME_R: rank R's alone) that hold
 # the program there.
@@ -98,7 +39,7 @@ MOMENTS = {
     # stop by its flag alone, would try to reach that store for 30 minutes.
     "as-one-rank-starts": ("handler-1", {"START_DELAY_0": "8", "INIT_DELAY_1": "4"}),
     "mid-step": ("steps.jsonl", {"STEP_DELAY": "0.5"}),
-    "inside-a-save": ("saving-3", {"SAVE_DELAY": "2", "STEP_DELAY": "0.2"}),
+    "inside-a-save": ("saving-0", {"SAVE_DELAY": "2", "STEP_DELAY": "0.2"}),
     "while-it-exits": ("exiting-0", {"EXIT_DELAY": "3"}),
 }
 # Two trials of each, but one where the stop waits out the ranks' grace (30 s).
@@ -107,12 +48,12 @@ TRIALS = [(moment, trial) for moment in MOMENTS for trial in range(1 if moment =
 
 def write_job(folder: Path) -> None:
     folder.mkdir(parents=True)
-    (folder / "train.py").write_text(PHASED_DDP)
-    (folder / "out").mkdir()
+    write_script(folder, "plain-ddp")
     job = {"name": "own", "resources": {"nodes": 2, "gpus_per_node": 0, "time_limit": "00:10:00"},
            "launch": {"procs_per_node": 1, "command": ["python", "train.py", "out"],
                       "resume_argument": "--resume {checkpoint}", "checkpoints": "out/checkpoint-*",
                       "checkpoint_complete_file": "COMPLETE"},
+           "environment": {"variables": {"STEPS": STEPS, "SAVE_EVERY": 3}},
            "requeue": {"warning_seconds": WARNING_SECONDS}}
     (folder / "job.yaml").write_text(yaml.safe_dump(job))
 

@@ -86,6 +86,7 @@ def test_the_whole_data_sets_cut_is_counted_by_prepare_and_shown_by_data(tmp_pat
     before = jobgen("data", str(job), "--show", "1", "--site", "none")
     assert before.returncode == 0, before.stderr
     assert before.stdout.splitlines()[-1].startswith("# the whole data set: not prepared yet; `jobgen prepare` counts")
+    assert not (tmp_path / "stores").exists()  # showing samples writes no store: `jobgen prepare` does
     prepared = jobgen("prepare", str(job), "--site", "none")
     assert prepared.returncode == 0, prepared.stderr
     tokenizer = load_tokenizer(str(tiny / "model"))

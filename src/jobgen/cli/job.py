@@ -47,7 +47,7 @@ def render(
     from jobgen.script.render import render_array
     from jobgen.schedulers import get_scheduler
 
-    job = load_job(config, site, overrides)
+    job = load_job(config, site, overrides, scheduler=scheduler)
     resolved = job.resolved
     scheduler = scheduler_for(scheduler, resolved)
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
@@ -88,7 +88,7 @@ def validate(
     before its templates: the launcher, the container and the extra directives. With --sweep or
     --sweep-file, check every point's job too, e.g. jobgen validate job.yaml --sweep training.lora.r=8,16.
     """
-    job = load_job(config, site, overrides)
+    job = load_job(config, site, overrides, scheduler=scheduler)
     resolved = job.resolved
     echo_warnings_of(job.check_files())
     sweep, points = resolve_sweep(config, site, overrides, resolved, sweeps, sweep_file, max_running)
@@ -154,7 +154,7 @@ def submit(
     on PBS and Torque one job per point, locally one point after another. `jobgen status RUN_DIR`
     then shows every point; `jobgen status|logs|cancel RUN_DIR/POINT` one.
     """
-    job = load_job(config, site, overrides)
+    job = load_job(config, site, overrides, scheduler=scheduler)
     resolved = job.resolved
     scheduler = scheduler_for(scheduler, resolved)
     echo_warnings_of(job.check_files())

@@ -71,16 +71,35 @@ template_dir_option = click.option(
 )
 
 
-def load_job(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):
+def load_job(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True,
+             scheduler: Optional[str] = None):
     """The job resolved once (jobgen.api.Job): every layer applied, checked against its site
     profile (the profile's scheduler exists, the job keeps within its partition's or queue's
-    limits and the site's policy); resolving's warnings printed."""
+    limits and the site's policy); resolving's warnings printed. A node range that the scheduler
+    (`scheduler`, --scheduler, else the site profile's) cannot take is refused before anything else."""
     from jobgen.api import Job
 
+    refuse_a_range_first(config, site, overrides, scheduler)
     job = Job.load(config, site=site, overrides=overrides)
     if echo_warnings:
         echo_warnings_of(job.warnings)
     return job
+
+
+def refuse_a_range_first(config: Path, site: Optional[str], overrides: tuple[str, ...], scheduler: Optional[str]) -> None:
+    """resources.nodes MIN-MAX for a scheduler without ranges, refused before the job's own checks
+    (the batch split over the range, the limits): fixing those first would be for nothing."""
+    from jobgen.job.layers import layered_job
+    from jobgen.job.sites import chosen_site
+    from jobgen.schedulers import get_scheduler
+
+    layered, site_profile = layered_job(config, chosen_site(site), overrides)
+    resources = layered.get("resources")
+    nodes = resources.get("nodes") if isinstance(resources, dict) else None
+    name = scheduler or site_profile.scheduler
+    counts = [part.strip() for part in nodes.split("-")] if isinstance(nodes, str) else []
+    if name and len(counts) == 2 and all(count.isdigit() for count in counts) and int(counts[0]) != int(counts[1]):
+        get_scheduler(name).refuse_a_range(nodes.strip())
 
 
 def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):

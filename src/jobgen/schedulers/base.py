@@ -71,6 +71,16 @@ class Scheduler:
         """What the templates may read about the scheduler, beyond the job itself."""
         return {"scheduler": self.name, "scheduler_env": self.job_environment}
 
+    def refuse_a_range(self, nodes: str) -> None:
+        """resources.nodes MIN-MAX on a scheduler that takes one count: JobgenError. Also asked before
+        the job is validated (jobgen.cli.options.load_job), so that the batch split over the range is
+        not the first thing a user fixes for a scheduler that cannot run it."""
+        if not self.node_ranges:
+            raise JobgenError(
+                f"resources.nodes: {self.name} cannot take a range ({nodes}); give one count, "
+                f"such as {nodes.split('-')[0].strip()} (ranges are Slurm's --nodes=MIN-MAX)"
+            )
+
     def directives(self, job: Job, array: Optional[tuple[int, Optional[int]]] = None) -> list[str]:
         """Header lines, in order; the job's own extra directives of this flavour come last (the
         other schedulers' are left out: jobgen.schedulers.refuse_unknown_directives checks them).
@@ -80,11 +90,8 @@ class Scheduler:
         scheduler would honour one of the two, PBS Pro the first `-l select`, sbatch the last.
         """
         self.refuse_reserved_variables(job)
-        if job.resources.min_nodes != job.resources.max_nodes and not self.node_ranges:
-            raise JobgenError(
-                f"resources.nodes: {self.name} cannot take a range ({job.resources.nodes}); give one count, "
-                f"such as {job.resources.min_nodes} (ranges are Slurm's --nodes=MIN-MAX)"
-            )
+        if job.resources.min_nodes != job.resources.max_nodes:
+            self.refuse_a_range(str(job.resources.nodes))
         if job.resources.spare_nodes and not self.spare_nodes:
             raise JobgenError(
                 f"resources.spare_nodes: {self.name} jobs cannot keep spare nodes (Slurm, PBS Pro and Torque jobs "

@@ -192,6 +192,10 @@ def _import_libraries() -> dict[str, Any]:
     keep_bitsandbytes_out("lora")  # the base loads unquantized: bitsandbytes' import and its log lines are not needed
     try:
         import torch
+
+        # peft's merge imports DeepSpeed through transformers; named, DeepSpeed's accelerator is
+        # not guessed aloud ("Setting accelerator to CPU ...", a warning about nothing exported).
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import transformers
         import peft  # noqa: F401  # merge_and_unload
     except ImportError as error:
