@@ -52,6 +52,18 @@ def start_reference_run(folder: Path, script: str, tiny: Path) -> Callable[[], l
     return ended
 
 
+def reference_and_job(server: PbsServer, tiny: Path, tmp_path: Path, script: str, name: str, step_delay: float,
+                      **variables) -> tuple[Callable[[], list[dict]], Path, dict]:
+    """The script's uninterrupted run started beside, and its job for the server: in a folder of
+    the server's user, its environment the server's venv."""
+    reference_ended = start_reference_run(tmp_path / "reference", script, tiny)
+    folder = server.folder(f"{script}-{name}")
+    write_script(folder, script)
+    shutil.chown(folder / "out", server.user, server.user)
+    job = own_job(f"{script}-{name}", script, tiny, [f"source {server.venv}/bin/activate"], step_delay, **variables)
+    return reference_ended, folder, job
+
+
 def preempt(server: PbsServer, folder: Path) -> None:
     """An express-queue job that needs every CPU of every vnode: the scheduler requeues the workq
     job to run it."""
@@ -75,11 +87,7 @@ def rerun(server: PbsServer, folder: Path, job_id: str) -> None:
 def test_openpbs_a_preempted_script_of_the_users_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run(
         openpbs: PbsServer, tiny: Path, tmp_path: Path) -> None:
     script = "hf-trainer"
-    reference_ended = start_reference_run(tmp_path / "reference", script, tiny)
-    folder = openpbs.folder(f"{script}-preempt")
-    write_script(folder, script)
-    shutil.chown(folder / "out", openpbs.user, openpbs.user)
-    job = own_job(f"{script}-preempt", script, tiny, [f"source {openpbs.venv}/bin/activate"], step_delay=2)
+    reference_ended, folder, job = reference_and_job(openpbs, tiny, tmp_path, script, "preempt", step_delay=2)
     job_id = submit(openpbs, folder, job, "jobgen-submit")
     run_dir = folder / "runs" / job["name"]
     wait_for(lambda: any(entry["step"] >= 3 for entry in logged(folder)), "step 3", timeout=300)
@@ -110,12 +118,8 @@ def test_openpbs_a_script_of_the_users_preempted_at_each_moment_of_its_life_is_r
     # inside a save and while it exits (its handler put back to the default), a segment each;
     # every one a stop, the job run again, and the run as an uninterrupted one's.
     script = "plain-ddp"
-    reference_ended = start_reference_run(tmp_path / "reference", script, tiny)
-    folder = openpbs.folder(f"{script}-moments")
-    write_script(folder, script)
-    shutil.chown(folder / "out", openpbs.user, openpbs.user)
-    job = own_job(f"{script}-moments", script, tiny, [f"source {openpbs.venv}/bin/activate"], step_delay=1,
-                  **HELD_IN_EACH_PHASE)
+    reference_ended, folder, job = reference_and_job(openpbs, tiny, tmp_path, script, "moments", step_delay=1,
+                                                     **HELD_IN_EACH_PHASE)
     job_id = submit(openpbs, folder, job, "jobgen-submit")
     run_dir = folder / "runs" / job["name"]
     ended = lambda: [line for line in (run_dir / "segments.jsonl").read_text().splitlines() if '"outcome"' in line] \

@@ -75,12 +75,16 @@ def load_job(config: Path, site: Optional[str], overrides: tuple[str, ...], echo
              scheduler: Optional[str] = None):
     """The job resolved once (jobgen.api.Job): every layer applied, checked against its site
     profile (the profile's scheduler exists, the job keeps within its partition's or queue's
-    limits and the site's policy); resolving's warnings printed. A node range that the scheduler
-    (`scheduler`, --scheduler, else the site profile's) cannot take is refused before anything else."""
+    limits and the site's policy); resolving's warnings printed. A job refused for its node range
+    (the batch split over it, the limits) that the scheduler (`scheduler`, --scheduler, else the site
+    profile's) cannot run as a range at all is refused for that instead."""
     from jobgen.api import Job
 
-    refuse_a_range_first(config, site, overrides, scheduler)
-    job = Job.load(config, site=site, overrides=overrides)
+    try:
+        job = Job.load(config, site=site, overrides=overrides)
+    except JobgenError:
+        refuse_a_range_first(config, site, overrides, scheduler)
+        raise
     if echo_warnings:
         echo_warnings_of(job.warnings)
     return job
@@ -90,6 +94,7 @@ def refuse_a_range_first(config: Path, site: Optional[str], overrides: tuple[str
     """resources.nodes MIN-MAX for a scheduler without ranges, refused before the job's own checks
     (the batch split over the range, the limits): fixing those first would be for nothing."""
     from jobgen.job.layers import layered_job
+    from jobgen.job.models import node_counts
     from jobgen.job.sites import chosen_site
     from jobgen.schedulers import get_scheduler
 
@@ -97,9 +102,9 @@ def refuse_a_range_first(config: Path, site: Optional[str], overrides: tuple[str
     resources = layered.get("resources")
     nodes = resources.get("nodes") if isinstance(resources, dict) else None
     name = scheduler or site_profile.scheduler
-    counts = [part.strip() for part in nodes.split("-")] if isinstance(nodes, str) else []
-    if name and len(counts) == 2 and all(count.isdigit() for count in counts) and int(counts[0]) != int(counts[1]):
-        get_scheduler(name).refuse_a_range(nodes.strip())
+    counts = node_counts(nodes)
+    if name and counts and counts[0] != counts[1]:
+        get_scheduler(name).refuse_a_range(f"{counts[0]}-{counts[1]}")
 
 
 def resolve(config: Path, site: Optional[str], overrides: tuple[str, ...], echo_warnings: bool = True):

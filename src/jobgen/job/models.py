@@ -86,6 +86,14 @@ def parse_memory_mb(text: str) -> int:
     return megabytes
 
 
+def node_counts(value: object) -> Optional[tuple[int, int]]:
+    """resources.nodes as written (4, "4", " 2 - 4 ") as (MIN, MAX); None when it is neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(value))
+    return (int(match.group(1)), int(match.group(2) or match.group(1))) if match else None
+
+
 class Resources(_Strict):
     """What the scheduler is asked for."""
 
@@ -153,10 +161,10 @@ class Resources(_Strict):
     @field_validator("nodes", mode="before")
     @classmethod
     def _nodes_count_or_range(cls, value: object) -> object:
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(value)) if not isinstance(value, bool) else None
-        if match is None or not isinstance(value, (int, str)):
+        counts = node_counts(value)
+        if counts is None:
             raise ValueError('expected a node count (4) or, on Slurm, a range MIN-MAX ("2-4")')
-        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        low, high = counts
         if not 1 <= low <= high <= 4096:
             raise ValueError("node counts go from 1 to 4096, a range's smaller one first")
         return low if low == high else f"{low}-{high}"

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 from jobgen.parent_death import signal_when_the_parent_dies
 
 
 def die_with_torchrun() -> None:
     """In a rank that torchrun started (Linux): SIGKILL when torchrun dies."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     parent = os.getppid()
     if not signal_when_the_parent_dies(signal.SIGKILL):
